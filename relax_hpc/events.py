@@ -18,6 +18,7 @@ where ``state`` is one of ``starting``, ``running``, ``paused``, ``draining``, `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -144,10 +145,8 @@ class Heartbeat:
         """Beat from a daemon thread every ``interval_s`` so long steps do not look like a dead process."""
         def loop() -> None:
             while not self._stop.wait(interval_s):
-                try:
+                with contextlib.suppress(Exception):  # a full disk must not kill the process from a side thread
                     self.beat(force=True)
-                except Exception:  # a full disk must not kill the process from a side thread
-                    pass
         self._thread = threading.Thread(target=loop, name=f"heartbeat-{self.proc}", daemon=True)
         self._thread.start()
 

@@ -21,9 +21,13 @@ Layout::
       checkpoints/step_NNNNNNNN/    trainer checkpoints (COMPLETE marker); checkpoints/LATEST
       logs/events/<proc>.jsonl      each process's event and metric lines (single writer)
       logs/<proc>.log               each process's text log
+      logs/tensorboard/<proc>/      TensorBoard event files (when monitor.tensorboard is on)
+      logs/wandb/                   offline W&B runs (when monitor.wandb is on)
       heartbeats/<proc>.json        each process's heartbeat, rewritten atomically
       rendezvous/<group>.json       address of a torch.distributed store for the fast path
       control/                      requests to roles (drain, stop) written by the CLI
+      launch.json                   what the launcher started (executor, Slurm job ids or local pids)
+      STATUS.json                   the run's final state (completed / failed), written when it ends
       slurm/                        sbatch scripts, submitit folders, jobs.json
       export/                       the final model in HF format
 """
@@ -40,7 +44,7 @@ from typing import Any
 
 from relax_hpc import __version__
 from relax_hpc.errors import RunDirError
-from relax_hpc.fsio import atomic_write_json, read_json
+from relax_hpc.fsio import TMP_PREFIX, atomic_write_json, read_json
 
 RUN_MARKER = "RUN.json"
 
@@ -109,6 +113,22 @@ class RunDir:
     def consumer_plan(self, step: int, name: str = "trainer") -> Path:
         return self.consumer_plans(name) / f"step_{step:08d}.json"
 
+    def consumer_planned(self, name: str = "trainer") -> Path:
+        """The consumer's latest *planned* position (writers read it to compute their backlog)."""
+        return self.consumer(name) / "planned.json"
+
+    def shard_file(self, writer_id: str, name: str) -> Path:
+        """A published shard of one writer incarnation (``name`` as made by ``relax_hpc.store.layout``)."""
+        return self.writer_shards(writer_id) / name
+
+    def samples_tmp_file(self, name: str) -> Path:
+        """A writer's temporary file, renamed into ``writer_shards`` when complete."""
+        return self.samples_tmp / name
+
+    def quarantine_file(self, name: str) -> Path:
+        """A quarantined shard (``<writer>.<shard name>``) or its reason file (``... .reason.json``)."""
+        return self.quarantine / name
+
     # ---------------------------------------------------------------- weights
     @property
     def weights(self) -> Path:
@@ -128,6 +148,22 @@ class RunDir:
     @property
     def weight_pins(self) -> Path:
         return self.weights / "pins"
+
+    def weight_pin(self, version: int) -> Path:
+        """The file whose existence pins snapshot ``version`` against retention."""
+        return self.weight_pins / f"v{version:06d}"
+
+    def weight_lease(self, reader: str) -> Path:
+        """The lease file of one reader (one lease per reader name)."""
+        return self.weight_leases / f"{reader}.json"
+
+    def snapshot_staging(self, version: int, token: str) -> Path:
+        """Shared staging folder where trainer ranks write parts of ``version`` before the leader commits it.
+
+        ``token`` identifies one incarnation of the trainer job, so parts of a killed attempt are never mixed in.
+        The name starts with the debris prefix, so a folder left by a killed attempt is cleaned up later.
+        """
+        return self.weights / f"{TMP_PREFIX}v{version:06d}.parts-{token}"
 
     # ---------------------------------------------------------------- checkpoints
     @property
@@ -157,6 +193,20 @@ class RunDir:
         return self.logs / f"{proc}.log"
 
     @property
+    def tensorboard(self) -> Path:
+        """TensorBoard log folder of the run (point ``tensorboard --logdir`` here)."""
+        return self.logs / "tensorboard"
+
+    def tensorboard_dir(self, proc: str) -> Path:
+        """One process's TensorBoard event files (a separate TensorBoard "run" per process)."""
+        return self.tensorboard / proc
+
+    @property
+    def wandb(self) -> Path:
+        """Where W&B keeps its (offline) runs."""
+        return self.logs / "wandb"
+
+    @property
     def heartbeats(self) -> Path:
         return self.root / "heartbeats"
 
@@ -184,6 +234,24 @@ class RunDir:
     @property
     def slurm_jobs(self) -> Path:
         return self.slurm / "jobs.json"
+
+    def slurm_script(self, name: str) -> Path:
+        """A rendered sbatch script of the run (``hetjob``, ``trainer``, ``rollout-4-7`` ...)."""
+        return self.slurm / f"{name}.sbatch"
+
+    def slurm_output(self, name: str, job: str = "%j") -> Path:
+        """Output of a job's batch script; ``job`` is a Slurm filename pattern (``%j``, ``%A_%a``) or a job id."""
+        return self.slurm / f"{name}-{job}.out"
+
+    @property
+    def launch_record(self) -> Path:
+        """What the launcher started: ``{"executor": "local"|"slurm", "jobs": [...], "procs": [...]}``."""
+        return self.root / "launch.json"
+
+    @property
+    def status_file(self) -> Path:
+        """The run's final state, written by the last role to finish: ``{"state": "completed"|"failed", ...}``."""
+        return self.root / "STATUS.json"
 
     @property
     def export(self) -> Path:
@@ -253,7 +321,62 @@ class RunDir:
 
 def slurm_ids() -> dict[str, str]:
     """Slurm job/step/array ids of this process, when running under Slurm (empty dict otherwise)."""
-    keys = {"SLURM_JOB_ID": "slurm_job_id", "SLURM_STEP_ID": "slurm_step_id", "SLURM_ARRAY_JOB_ID": "slurm_array_job_id",
+    keys = {"SLURM_JOB_ID": "slurm_job_id", "SLURM_STEP_ID": "slurm_step_id",
+            "SLURM_ARRAY_JOB_ID": "slurm_array_job_id",
             "SLURM_ARRAY_TASK_ID": "slurm_array_task_id", "SLURM_HET_JOB_ID": "slurm_het_job_id",
             "SLURM_RESTART_COUNT": "slurm_restart_count", "SLURM_PROCID": "slurm_procid"}
     return {v: os.environ[k] for k, v in keys.items() if k in os.environ}
+
+
+@dataclass(frozen=True)
+class SweepDir:
+    """Paths of one sweep directory: a manifest, the Slurm array script and one run dir per combination.
+
+    Layout::
+
+        SWEEP_DIR/
+          sweep.json                the grid, one entry per combination (overrides, label, run dir)
+          launch.json               how the sweep was started (Slurm array job id, or local)
+          runs/NNN-<label>/         one complete run dir per combination
+          slurm/sweep.sbatch        the job array script; slurm/sweep-<array>_<task>.out its outputs
+          logs/NNN.log              output of a locally run combination
+    """
+
+    root: Path
+
+    def __init__(self, root: Path | str):
+        object.__setattr__(self, "root", Path(root).expanduser().absolute())
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "sweep.json"
+
+    @property
+    def launch_record(self) -> Path:
+        return self.root / "launch.json"
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
+    def run(self, index: int, label: str) -> Path:
+        """Run dir of combination ``index`` (``label`` must already be filename-safe)."""
+        return self.runs / f"{index:03d}-{label}" if label else self.runs / f"{index:03d}"
+
+    @property
+    def slurm(self) -> Path:
+        return self.root / "slurm"
+
+    @property
+    def slurm_script(self) -> Path:
+        return self.slurm / "sweep.sbatch"
+
+    def slurm_output(self, job: str = "%A_%a") -> Path:
+        return self.slurm / f"sweep-{job}.out"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def local_log(self, index: int) -> Path:
+        return self.logs / f"{index:03d}.log"

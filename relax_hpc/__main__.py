@@ -1,0 +1,5 @@
+import sys
+
+from relax_hpc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,75 @@
+"""The ``relax-hpc`` command. Thin: parses arguments, then imports the one subcommand module it needs.
+
+Each subcommand is a module ``relax_hpc.cli.<name>`` with ``add_arguments(parser)`` and ``run(args) -> int``.
+User errors (:class:`relax_hpc.errors.UserError`) print one line ``error: ...`` and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from relax_hpc import __version__
+
+# name -> (module, one-line help). Modules are imported only when their command runs (or for --help of it).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "submit": ("relax_hpc.cli.submit", "launch a run from a recipe (local processes or Slurm)"),
+    "validate": ("relax_hpc.cli.validate", "validate a recipe and its overrides"),
+    "role": ("relax_hpc.cli.role", "run one role of a run (what the launcher starts on each node)"),
+    "monitor": ("relax_hpc.cli.monitor", "live view of a run or a sweep, read from the run dir"),
+    "plot": ("relax_hpc.cli.plot", "plot a run's (or a sweep's) curves to a PNG"),
+    "status": ("relax_hpc.cli.status", "job states and role heartbeats of a run"),
+    "cancel": ("relax_hpc.cli.cancel", "cancel a run's jobs or processes"),
+    "resume": ("relax_hpc.cli.resume", "resubmit a run from its last checkpoint"),
+    "scale": ("relax_hpc.cli.scale", "add or remove rollout workers of a running fully_async run"),
+    "render": ("relax_hpc.cli.render", "print the sbatch script(s) of a recipe"),
+    "sweep": ("relax_hpc.cli.sweep", "submit a hyper-parameter grid as one job array"),
+    "sweep-status": ("relax_hpc.cli.sweep_status", "table of final metrics per sweep combination"),
+    "bench": ("relax_hpc.cli.bench", "benchmarks that print figures (store, snapshots, trainer, pipeline, ...)"),
+}
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose < 0 else logging.INFO if verbose == 0 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relax-hpc", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"relax-hpc {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if only is None or only == name:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relax_hpc.errors import UserError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        parser = build_parser(only=cmd if cmd in COMMANDS else None)
+        args = parser.parse_args(argv)
+        if not args.command:
+            parser.print_help()
+            return 2
+        _setup_logging(-1 if args.quiet else args.verbose)
+        module = importlib.import_module(COMMANDS[args.command][0])
+        return int(module.run(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

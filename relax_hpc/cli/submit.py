@@ -1,0 +1,98 @@
+"""``relax-hpc submit RECIPE``: create the run dir, resolve the config, launch the roles.
+
+``--executor auto`` (default) uses Slurm when ``sbatch`` is on PATH, local processes otherwise. Local runs are
+followed until they end (``--detach`` to return at once); Slurm runs return after submission (``--wait`` to follow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set mode=fully_async (repeatable)")
+    p.add_argument("--executor", choices=("auto", "local", "slurm"), default=None,
+                   help="where roles run (default: the recipe's launch.executor, auto)")
+    p.add_argument("--run-dir", default=None, help="run directory (default: runs/<name>-<time>)")
+    p.add_argument("--dry-run", action="store_true", help="write everything and print what would run; submit nothing")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--wait", action="store_true", default=None, help="follow the run until it ends (Slurm)")
+    g.add_argument("--detach", action="store_true", help="return after launching (local)")
+
+
+def default_run_dir(name: str) -> Path:
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def prepare_run_dir(args: argparse.Namespace, *, resume: bool = False):  # -> (RunDir, RecipeConfig)
+    """Validate the recipe, then create the run dir and write recipe.yaml + config.json (nothing before validation)."""
+    from relax_hpc.config.load import config_to_json, load_recipe
+    from relax_hpc.fsio import atomic_write_json, atomic_write_text
+    from relax_hpc.rundir import RunDir
+
+    cfg = load_recipe(args.recipe, args.overrides)
+    root = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.name)
+    run_dir = RunDir.create(root, name=cfg.name, resume=resume)
+    text = Path(args.recipe).read_text()
+    if args.overrides:
+        text += "\n# overrides given on the command line:\n" + "".join(f"#   --set {o}\n" for o in args.overrides)
+    atomic_write_text(run_dir.recipe, text)
+    atomic_write_json(run_dir.config, config_to_json(cfg))
+    return run_dir, cfg
+
+
+def pick_executor(want: str) -> str:
+    from relax_hpc.errors import UserError
+
+    has_slurm = shutil.which("sbatch") is not None
+    if want == "slurm" and not has_slurm:
+        raise UserError("--executor slurm: no Slurm here (sbatch is not on PATH)")
+    if want == "auto":
+        return "slurm" if has_slurm else "local"
+    return want
+
+
+def run(args: argparse.Namespace) -> int:
+    from relax_hpc.config.load import load_recipe
+    from relax_hpc.errors import ConfigError
+
+    try:
+        cfg = load_recipe(args.recipe, args.overrides)
+    except ConfigError as exc:
+        for line in exc.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    executor = pick_executor(args.executor or cfg.launch.executor)
+    run_dir, cfg = prepare_run_dir(args)
+    print(f"run dir: {run_dir.root}")
+    if executor == "slurm":
+        from relax_hpc.launch.slurm import launch as slurm_launch
+
+        result = slurm_launch(run_dir, cfg, dry_run=args.dry_run)
+        for job in result.get("jobs", []):
+            print(f"submitted job {job.get('job_id')} ({job.get('kind', job.get('role'))})")
+        if args.wait and not args.dry_run:
+            from relax_hpc.launch.follow import follow_slurm
+
+            return follow_slurm(run_dir, cfg)
+        return 0
+    from relax_hpc.launch import local
+
+    if args.dry_run:
+        for role, rank in local.role_plan(cfg):
+            print(f"would start: {sys.executable} -m relax_hpc role {role} --run-dir {run_dir.root} --rank {rank}")
+        return 0
+    procs = local.launch(run_dir, cfg)
+    for p in procs:
+        print(f"started {p.proc} (pid {p.popen.pid})")
+    if args.detach:
+        return 0
+    from relax_hpc.launch.follow import follow_local
+
+    return follow_local(run_dir, cfg, procs)

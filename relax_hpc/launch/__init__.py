@@ -1,0 +1,1 @@
+"""Launching roles: local processes (the embedded default) or Slurm jobs."""

@@ -1,0 +1,98 @@
+"""Follow a run from the launcher: a progress bar fed by the trainer's metric lines in the run dir."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.rundir import RunDir
+
+
+class ProgressFeed:
+    """Tails the trainer's event log; renders step / total, reward and step time."""
+
+    def __init__(self, run_dir: RunDir, cfg: RecipeConfig):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from relax_hpc.monitor.tail import DirTail
+
+        self.cfg = cfg
+        self.tail = DirTail(run_dir.events)
+        self.console = Console(stderr=True)
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console,
+                                 transient=False)
+        self.task = self.progress.add_task(cfg.name, total=cfg.num_steps, info="starting ...")
+        self.first_reward: float | None = None
+        self.last: dict[str, Any] = {}
+        self.progress.start()
+
+    def tick(self) -> None:
+        for proc, rec in self.tail.read():
+            if rec.get("kind") == "metrics" and proc in ("trainer-0", "colocate-0") and rec.get("step") is not None:
+                m = rec.get("metrics", {})
+                if "warmup/loss" in m:
+                    self.console.print(f"supervised warm-up done: loss {m['warmup/loss']:.3f}")
+                    continue
+                r = m.get("rollout/reward")
+                if isinstance(r, (int, float)):
+                    if self.first_reward is None:
+                        self.first_reward = r
+                    self.last = m
+                info = f"reward {r:.3f}" if isinstance(r, (int, float)) else ""
+                st = m.get("perf/step_time")
+                if isinstance(st, (int, float)):
+                    info += f"  {st:.2f}s/step"
+                self.progress.update(self.task, completed=int(rec["step"]), info=info)
+            elif rec.get("kind") in ("event", "alert") and rec.get("level") in ("warning", "error"):
+                self.console.print(f"[yellow]{proc}: {rec.get('event')}: {rec.get('message')}[/yellow]")
+
+    def close(self) -> None:
+        self.tick()
+        self.progress.stop()
+
+
+def follow_local(run_dir: RunDir, cfg: RecipeConfig, procs: list[Any]) -> int:
+    from relax_hpc.fsio import atomic_write_json
+    from relax_hpc.launch.local import supervise
+
+    feed = ProgressFeed(run_dir, cfg)
+    t0 = time.time()
+    try:
+        code = supervise(run_dir, cfg, procs, on_tick=feed.tick)
+    finally:
+        feed.close()
+    state = "completed" if code == 0 else "preempted" if code == 3 else "failed"
+    if not run_dir.status_file.exists() or state != "completed":
+        atomic_write_json(run_dir.status_file, {"state": state, "exit_code": code, "time": time.time()})
+    r0, r1 = feed.first_reward, feed.last.get("rollout/reward")
+    if code == 0:
+        msg = f"run {state} in {time.time() - t0:.0f}s"
+        if r0 is not None and r1 is not None:
+            msg += f": mean reward {r0:.3f} (first step) -> {r1:.3f} (last step)"
+        print(msg)
+    else:
+        print(f"run {state} (exit code {code}); logs: {run_dir.logs}", file=sys.stderr)
+    print(f"run dir: {run_dir.root}")
+    return code
+
+
+def follow_slurm(run_dir: RunDir, cfg: RecipeConfig, *, poll_s: float = 2.0) -> int:
+    """Follow a Slurm run until its jobs leave the queue; exit 0 if the trainer finished."""
+    from relax_hpc.launch.slurm import run_finished
+
+    feed = ProgressFeed(run_dir, cfg)
+    try:
+        while True:
+            feed.tick()
+            done = run_finished(run_dir)
+            if done is not None:
+                break
+            time.sleep(poll_s)
+    finally:
+        feed.close()
+    print(f"run {'completed' if done else 'failed'}; run dir: {run_dir.root}")
+    return 0 if done else 1

@@ -1,0 +1,302 @@
+"""Render a recipe's sbatch scripts from the Jinja templates in ``sbatch/`` (packaged as ``relax_hpc/sbatch``).
+
+Placements (``mode`` and ``launch.placement``):
+
+* ``colocate`` mode: one job, ``trainer.num_ranks`` tasks, every rank runs ``role colocate``;
+* ``fully_async`` + ``hetjob``: ONE heterogeneous job, het group 0 the trainer (``trainer.num_ranks`` tasks), het
+  group 1 the rollout workers (``rollout.num_workers`` tasks); each role is its own ``srun --het-group=K`` step;
+* ``fully_async`` + ``separate``: a trainer job plus a job array with one task per rollout worker (task id = rank),
+  linked only through the run dir (so workers can be added or removed later).
+
+Resources come from ``launch.trainer`` / ``launch.rollout``. In ``separate`` placement each array task is ONE
+rollout worker (one task on one node): ``nodes``/``tasks_per_node`` of ``launch.rollout`` shape the het group only.
+Nothing here submits anything; :mod:`relax_hpc.launch.slurm` does.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.config.schema import RecipeConfig, RoleResources
+from relax_hpc.errors import UserError
+from relax_hpc.launch.slurm_params import directive, extra_directives
+from relax_hpc.rundir import RunDir, SweepDir
+
+ROLLOUT_GRACE_S = 60
+"""hetjob: how long the script waits for the rollout step to end by itself after the trainer finished."""
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class JobScript:
+    """One rendered sbatch script: its file stem under ``RUN_DIR/slurm``, what it runs and its text."""
+
+    name: str
+    kind: str
+    """``hetjob`` | ``trainer`` | ``rollout_array`` | ``colocate`` | ``sweep_array``."""
+    roles: tuple[str, ...]
+    text: str
+    ranks: tuple[int, ...] = field(default=())
+    """Rollout ranks this job runs (array task ids, or the het group's ranks)."""
+
+
+def templates_dir() -> Path:
+    """Folder of the templates: ``relax_hpc/sbatch`` (a link to ``sbatch/`` in a checkout, real files in a wheel)."""
+    import relax_hpc
+
+    pkg = Path(relax_hpc.__file__).resolve().parent
+    for cand in (pkg / "sbatch", pkg.parent / "sbatch"):
+        if (cand / "_base.sbatch.j2").is_file():
+            return cand
+    raise FileNotFoundError(f"relax-hpc's sbatch templates are missing (looked in {pkg / 'sbatch'})")
+
+
+@lru_cache(maxsize=1)
+def _env() -> Any:
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    env.filters["q"] = lambda v: shlex.quote(str(v))
+    return env
+
+
+def render_template(name: str, **context: Any) -> str:
+    """Render ``sbatch/<name>.sbatch.j2`` with ``context``."""
+    return _env().get_template(f"{name}.sbatch.j2").render(**context)
+
+
+# ------------------------------------------------------------------------------------------------ building blocks
+def _check_path(path: Path, what: str) -> str:
+    text = str(path)
+    if "\n" in text or "\r" in text:
+        raise UserError(f"{what} {text!r} contains a newline, which an sbatch script cannot express")
+    return text
+
+
+def _mem(mem_gb: float) -> str:
+    return f"{int(mem_gb)}G" if float(mem_gb).is_integer() else f"{math.ceil(mem_gb * 1024)}M"
+
+
+def _env_vars(res: RoleResources, where: str) -> dict[str, str]:
+    for key in res.env:
+        if not _ENV_NAME.match(key):
+            raise UserError(f"{where}.env: {key!r} is not a valid environment variable name")
+    return dict(res.env)
+
+
+def _extra_lines(res: RoleResources, where: str) -> list[str]:
+    out = []
+    for line in res.extra_sbatch:
+        line = line.strip()
+        if line.startswith("#SBATCH"):
+            line = line[len("#SBATCH"):].strip()
+        if "\n" in line or "\r" in line or not line:
+            raise UserError(f"{where}.extra_sbatch: {line!r} must be one non-empty line such as --reservation=rl")
+        out.append(line)
+    return out
+
+
+def _directives(cfg: RecipeConfig, res: RoleResources, where: str, *, job_name: str, ntasks: int, nodes: int,
+                tasks_per_node: int, head: list[str]) -> list[str]:
+    """The #SBATCH options of one job (or het component): job-wide ``head`` first, then this role's resources."""
+    launch = cfg.launch
+    if ntasks < nodes:
+        raise UserError(f"{where}.nodes={nodes} but the role has only {ntasks} task(s): at least one task per node")
+    if tasks_per_node > 1 and nodes * tasks_per_node < ntasks:
+        raise UserError(f"{where}: nodes x tasks_per_node = {nodes * tasks_per_node} cannot hold {ntasks} tasks")
+    d = [directive("job_name", job_name), *head,
+         # USR2, not USR1: NCCL may catch USR1. Sent to the job steps (no B:), signal_delay_s before the limit.
+         directive("signal", f"USR2@{launch.signal_delay_s}"), directive("time", launch.time_min)]
+    partition = res.partition or launch.partition
+    if partition:
+        d.append(directive("partition", partition))
+    if launch.account:
+        d.append(directive("account", launch.account))
+    if launch.qos:
+        d.append(directive("qos", launch.qos))
+    d += [directive("nodes", nodes), directive("ntasks", ntasks)]
+    if tasks_per_node > 1:
+        d.append(directive("ntasks_per_node", tasks_per_node))
+    d.append(directive("cpus_per_task", res.cpus_per_task))
+    if res.gpus_per_node:
+        d.append(directive("gpus_per_node", res.gpus_per_node))
+    if res.mem_gb is not None:
+        d.append(directive("mem", _mem(res.mem_gb)))
+    if res.constraint:
+        d.append(directive("constraint", res.constraint))
+    try:
+        d += extra_directives(res.slurm)
+    except UserError as exc:
+        raise UserError(f"{where}.slurm: {exc}") from None
+    return d + _extra_lines(res, where)
+
+
+def _job_head(chdir: Path, output_name: str, *, array: str | None = None) -> list[str]:
+    head = [directive("chdir", _check_path(chdir, "folder")), directive("output", output_name),
+            directive("open_mode", "append"), directive("requeue")]
+    if array:
+        head.append(directive("array", array))
+    return head
+
+
+def _step(res: RoleResources, where: str, srun_args: list[str]) -> dict[str, Any]:
+    return {"srun_args": ["--unbuffered", *srun_args], "env": _env_vars(res, where)}
+
+
+def _context(cfg: RecipeConfig, run_dir: str, *, title: str, python: str, pythonpath: str | None,
+             components: list[list[str]], **more: Any) -> dict[str, Any]:
+    return {"title": title, "components": components, "run_dir": run_dir, "python": python,
+            "pythonpath": pythonpath, "setup": list(cfg.launch.setup), "max_requeues": cfg.launch.max_requeues,
+            **more}
+
+
+def default_python() -> str:
+    """The interpreter the jobs run (``RELAX_HPC_PYTHON``, else the one running this code, as submitit does)."""
+    import os
+
+    return os.environ.get("RELAX_HPC_PYTHON") or sys.executable
+
+
+def default_pythonpath() -> str | None:
+    """The source checkout holding ``relax_hpc`` when it is not installed (jobs need it on PYTHONPATH)."""
+    import relax_hpc
+
+    root = Path(relax_hpc.__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and "site-packages" not in root.parts:
+        return str(root)
+    return None
+
+
+def as_run_dir(run_dir: RunDir | Path | str) -> RunDir:
+    """A :class:`RunDir` from a RunDir or a path."""
+    return run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5`` (a Slurm array spec)."""
+    rs = sorted(set(ranks))
+    parts: list[str] = []
+    start = prev = rs[0]
+    for r in [*rs[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ per placement
+def render_run(run_dir: RunDir | Path | str, cfg: RecipeConfig, *, python: str | None = None,
+               pythonpath: str | None = "auto", rollout_ranks: Sequence[int] | None = None) -> list[JobScript]:
+    """The sbatch scripts of a whole run, in submission order.
+
+    ``rollout_ranks`` (fully_async) defaults to ``0 .. rollout.num_workers - 1``; ``resume`` passes the ranks that
+    were running. ``pythonpath="auto"`` adds the source checkout when relax-hpc is not installed.
+    """
+    rd = as_run_dir(run_dir)
+    rd_text = _check_path(rd.root, "run dir")
+    python = python or default_python()
+    if pythonpath == "auto":
+        pythonpath = default_pythonpath()
+    name = cfg.name
+    tr = cfg.launch.trainer
+    trainer_step = _step(tr, "launch.trainer", [])
+    if cfg.mode == "colocate":
+        head = _job_head(rd.slurm, rd.slurm_output("colocate").name)
+        comp = _directives(cfg, tr, "launch.trainer", job_name=name, ntasks=cfg.trainer.num_ranks, nodes=tr.nodes,
+                           tasks_per_node=tr.tasks_per_node, head=head)
+        ctx = _context(cfg, rd_text, title=f"run {name!r}, mode colocate: one job, every rank generates and trains",
+                       python=python, pythonpath=pythonpath, components=[comp], trainer=trainer_step)
+        return [JobScript("colocate", "colocate", ("colocate",), render_template("colocate", **ctx))]
+
+    ranks = list(range(cfg.rollout.num_workers)) if rollout_ranks is None else sorted(set(rollout_ranks))
+    if not ranks:
+        raise UserError("a fully_async run needs at least one rollout worker")
+    ro = cfg.launch.rollout
+    if cfg.launch.placement == "hetjob":
+        if rollout_ranks is not None and ranks != list(range(len(ranks))):
+            ranks = list(range(len(ranks)))  # a het group's ranks are its task ids
+        head = _job_head(rd.slurm, rd.slurm_output("hetjob").name)
+        comp0 = _directives(cfg, tr, "launch.trainer", job_name=name, ntasks=cfg.trainer.num_ranks, nodes=tr.nodes,
+                            tasks_per_node=tr.tasks_per_node, head=head)
+        comp1 = _directives(cfg, ro, "launch.rollout", job_name=name, ntasks=len(ranks), nodes=ro.nodes,
+                            tasks_per_node=ro.tasks_per_node, head=[])
+        ctx = _context(cfg, rd_text, title=f"run {name!r}, fully_async, placement hetjob: het group 0 = trainer, "
+                       f"het group 1 = {len(ranks)} rollout worker(s)", python=python, pythonpath=pythonpath,
+                       components=[comp0, comp1], rollout_grace_s=ROLLOUT_GRACE_S,
+                       trainer=_step(tr, "launch.trainer", ["--het-group=0", "--kill-on-bad-exit=1"]),
+                       rollout=_step(ro, "launch.rollout", ["--het-group=1", "--kill-on-bad-exit=0"]))
+        return [JobScript("hetjob", "hetjob", ("trainer", "rollout"), render_template("hetjob", **ctx),
+                          ranks=tuple(ranks))]
+
+    head = _job_head(rd.slurm, rd.slurm_output("trainer").name)
+    comp = _directives(cfg, tr, "launch.trainer", job_name=f"{name}-trainer", ntasks=cfg.trainer.num_ranks,
+                       nodes=tr.nodes, tasks_per_node=tr.tasks_per_node, head=head)
+    ctx = _context(cfg, rd_text, title=f"run {name!r}, fully_async, placement separate: the trainer job",
+                   python=python, pythonpath=pythonpath, components=[comp],
+                   trainer=_step(tr, "launch.trainer", ["--kill-on-bad-exit=1"]))
+    trainer = JobScript("trainer", "trainer", ("trainer",), render_template("trainer", **ctx))
+    return [trainer, render_rollout_array(rd, cfg, ranks, python=python, pythonpath=pythonpath)]
+
+
+def render_rollout_array(run_dir: RunDir | Path | str, cfg: RecipeConfig, ranks: Sequence[int], *,
+                         python: str | None = None, pythonpath: str | None = "auto") -> JobScript:
+    """A job array of rollout workers, one task per rank (``--array`` = the ranks), for placement separate."""
+    rd = as_run_dir(run_dir)
+    rd_text = _check_path(rd.root, "run dir")
+    python = python or default_python()
+    if pythonpath == "auto":
+        pythonpath = default_pythonpath()
+    ranks = sorted(set(int(r) for r in ranks))
+    if not ranks or ranks[0] < 0:
+        raise UserError(f"rollout ranks must be >= 0, got {ranks}")
+    spec = _ranges(ranks)
+    stem = f"rollout-{ranks[0]}-{ranks[-1]}"
+    ro = cfg.launch.rollout
+    head = _job_head(rd.slurm, rd.slurm_output("rollout", "%A_%a").name, array=spec)
+    comp = _directives(cfg, ro, "launch.rollout", job_name=f"{cfg.name}-rollout", ntasks=1, nodes=1,
+                       tasks_per_node=1, head=head)
+    ctx = _context(cfg, rd_text, title=f"run {cfg.name!r}, fully_async, placement separate: rollout workers "
+                   f"{spec} (one array task each)", python=python, pythonpath=pythonpath, components=[comp],
+                   rollout=_step(ro, "launch.rollout", ["--ntasks=1"]))
+    return JobScript(stem, "rollout_array", ("rollout",), render_template("rollout", **ctx), ranks=tuple(ranks))
+
+
+def render_sweep(sweep_dir: SweepDir | Path | str, cfg: RecipeConfig, num_runs: int, *, parallel: int,
+                 python: str | None = None, pythonpath: str | None = "auto") -> JobScript:
+    """ONE job array for a sweep: task i runs combination i as a complete colocate run (at most ``parallel`` at once).
+
+    ``cfg`` is the first combination's config: resources, time and setup are the same for every task.
+    """
+    sd = sweep_dir if isinstance(sweep_dir, SweepDir) else SweepDir(sweep_dir)
+    _check_path(sd.root, "sweep dir")
+    if cfg.mode != "colocate":
+        raise UserError("a sweep runs each combination as one colocate job: set mode: colocate "
+                        "(or --set mode=colocate)")
+    if num_runs < 1:
+        raise UserError("a sweep needs at least one combination")
+    python = python or default_python()
+    if pythonpath == "auto":
+        pythonpath = default_pythonpath()
+    tr = cfg.launch.trainer
+    array = f"0-{num_runs - 1}%{max(1, min(parallel, num_runs))}"
+    head = _job_head(sd.slurm, sd.slurm_output().name, array=array)
+    comp = _directives(cfg, tr, "launch.trainer", job_name=f"{cfg.name}-sweep", ntasks=cfg.trainer.num_ranks,
+                       nodes=tr.nodes, tasks_per_node=tr.tasks_per_node, head=head)
+    ctx = _context(cfg, "", title=f"sweep {cfg.name!r}: {num_runs} combination(s), one array task each, "
+                   f"at most {max(1, min(parallel, num_runs))} at once", python=python, pythonpath=pythonpath,
+                   components=[comp], manifest=str(sd.manifest), trainer=_step(tr, "launch.trainer", []))
+    return JobScript("sweep", "sweep_array", ("colocate",), render_template("sweep", **ctx),
+                     ranks=tuple(range(num_runs)))

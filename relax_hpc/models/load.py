@@ -1,0 +1,81 @@
+"""Load the policy (and tokenizer) a recipe names: ``tiny`` or an HF model folder / hub name."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.config.schema import ModelConfig
+from relax_hpc.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(want: str) -> str:
+    """``auto`` -> cuda when available else cpu; ``cuda`` on a machine without a GPU is a user error."""
+    import torch
+
+    if want == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UserError("a GPU was requested (device: cuda) but this machine has no CUDA device")
+    return want
+
+
+def resolve_dtype(want: str, device: str) -> Any:
+    import torch
+
+    if want == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[want]
+
+
+def _is_local(path: str) -> bool:
+    p = Path(path).expanduser()
+    return p.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """The tokenizer named by ``model.tokenizer`` (default: ``model.path``; ``builtin:digits`` for tiny)."""
+    from relax_hpc.models.tiny import build_digits_tokenizer
+
+    name = cfg.tokenizer or ("builtin:digits" if cfg.path == "tiny" else cfg.path)
+    if name == "builtin:digits":
+        return build_digits_tokenizer()
+    if _is_local(name) and not Path(name).expanduser().exists():
+        raise UserError(f"tokenizer path {name} does not exist")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if _is_local(name) else name,
+                                            trust_remote_code=cfg.trust_remote_code)
+    except OSError as exc:
+        raise UserError(f"cannot load tokenizer {name!r}: {str(exc).splitlines()[0]}") from exc
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: ModelConfig, tokenizer: Any, *, device: str, dtype: Any, seed: int | None = None) -> Any:
+    """The policy model on ``device`` in ``dtype``. ``tiny`` builds random weights from ``cfg.tiny``."""
+    if cfg.path == "tiny":
+        from relax_hpc.models.tiny import build_tiny_model
+
+        model = build_tiny_model(cfg.tiny, len(tokenizer), seed=cfg.init_seed if seed is None else seed,
+                                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+    else:
+        if _is_local(cfg.path) and not Path(cfg.path).expanduser().exists():
+            raise UserError(f"model path {cfg.path} does not exist")
+        from transformers import AutoModelForCausalLM
+
+        src = str(Path(cfg.path).expanduser()) if _is_local(cfg.path) else cfg.path
+        try:
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        except OSError as exc:
+            raise UserError(f"cannot load model {cfg.path!r}: {str(exc).splitlines()[0]}") from exc
+    model.to(device=device, dtype=dtype)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model

@@ -1,0 +1,111 @@
+"""Role ``rollout`` of mode ``fully_async``: generate groups with the latest published weights, write them to the
+sample store, and pause when the store's backlog shows the trainer would find them too stale.
+
+Admission control: a batch generated now with weights ``v`` is consumed after the backlog ahead of it, so its
+staleness is about ``1 + backlog_groups / prompts_per_step`` versions. A worker starts a batch only while
+``backlog_groups < max(max_staleness, 1) * prompts_per_step``; otherwise it pauses (counted in
+``perf/rollout_pause_time``). Weights are picked up between generation batches (LATEST is one small read).
+A worker stops when the run's STATUS.json appears, when asked to drain (control file), or on SIGTERM/SIGUSR2
+(it is stateless: a restarted worker rejoins at the latest version with a new writer id).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.events import EventLog, Heartbeat
+from relax_hpc.fsio import read_json, wait_for
+from relax_hpc.launch.exitcodes import EXIT_OK, EXIT_REQUEUE
+from relax_hpc.launch.signals import StopFlag
+from relax_hpc.rundir import RunDir, proc_name
+
+log = logging.getLogger(__name__)
+
+
+def drain_requested(run_dir: RunDir, proc: str) -> bool:
+    req = read_json(run_dir.control_file(proc), default=None)
+    return isinstance(req, dict) and req.get("action") in ("drain", "stop")
+
+
+def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> int:
+    """Generate until the run ends. Returns an exit code."""
+    from relax_hpc.modes import components as C
+    from relax_hpc.rollout.groups import build_groups, score_completions
+    from relax_hpc.rollout.hf_engine import HFEngine
+    from relax_hpc.store import ShardWriter, backlog, new_writer_id
+    from relax_hpc.weights import SnapshotReader, latest_version
+
+    proc = proc_name("rollout", rank)
+    stop = StopFlag()
+    events = EventLog(run_dir, "rollout", rank)
+    hb = Heartbeat(run_dir, "rollout", rank)
+    hb.start_thread()
+    writer_id = new_writer_id(proc)
+    events.event("started", f"rollout worker {rank} (writer {writer_id})")
+    C.seed_everything(cfg.seed + 7919 * (rank + 1) + int(time.time()) % 100_003)
+    policy = C.build_policy(cfg, device_pref=cfg.rollout.device)
+    engine = HFEngine(policy.model, policy.tokenizer, cfg.rollout.sampling, device=policy.device,
+                      batch_prompts=cfg.rollout.batch_prompts)
+    stream = C.build_prompt_stream(cfg, policy.tokenizer, seed_offset=1000 * (rank + 1) + int(time.time()) % 997)
+    rewards = C.build_reward_runner(cfg)
+    writer = ShardWriter(run_dir, writer_id)
+    reader = SnapshotReader(run_dir, name=proc)
+
+    def finished() -> bool:
+        return run_dir.status_file.exists()
+
+    first = wait_for(lambda: latest_version(run_dir) is not None or finished() or stop.is_set,
+                     what="the first weight snapshot", timeout_s=cfg.store.wait_timeout_s, logger=log)
+    del first
+    P = cfg.rollout.prompts_per_step
+    limit = max(cfg.max_staleness, 1) * P
+    counter = 0
+    pause_total = 0.0
+    while not (finished() or stop.is_set or drain_requested(run_dir, proc)):
+        t_sync = 0.0
+        newest = latest_version(run_dir)
+        if newest is not None and (engine.version != newest or counter == 0):
+            t0 = time.perf_counter()
+            version = reader.load_into(policy.model, newest, verify=cfg.weights.verify)
+            engine.version = version if isinstance(version, int) else newest
+            t_sync = time.perf_counter() - t0
+            hb.beat(version=engine.version)
+        t0 = time.perf_counter()
+        paused = False
+        while backlog(run_dir).groups >= limit and not (finished() or stop.is_set):
+            if not paused:
+                hb.beat(state="paused")
+                paused = True
+            stop.wait(0.02)
+            newest = latest_version(run_dir)
+            if newest is not None and newest != engine.version:
+                break  # new weights while paused: reload before generating
+        pause = time.perf_counter() - t0
+        pause_total += pause
+        if paused:
+            hb.beat(state="running")
+        if finished() or stop.is_set:
+            break
+        if newest is not None and newest != engine.version:
+            continue
+        t0 = time.perf_counter()
+        batch = stream.next_batch(cfg.rollout.batch_prompts)
+        completions = engine.generate([p.prompt_ids for p in batch], cfg.rollout.n_samples,
+                                      multimodal=[p.multimodal for p in batch])
+        t_gen = time.perf_counter() - t0
+        _, scored = score_completions(rewards, policy.tokenizer, batch, completions)
+        groups, counts = build_groups(batch, completions, scored, writer_id=writer_id, counter=counter,
+                                      version=engine.version)
+        counter += len(batch)
+        if groups:
+            writer.write(groups)
+        events.metrics({"rollout/generate_time": t_gen, "perf/rollout_pause_time": pause,
+                        "perf/update_weights_time": t_sync, "rollout/version": float(engine.version),
+                        "rollout/groups": float(len(groups)), **counts}, step=engine.version)
+        hb.beat(step=counter, version=engine.version)
+    events.event("stopped", f"rollout worker {rank} stopping after {counter} prompts "
+                            f"(paused {pause_total:.1f}s)", step=engine.version)
+    hb.stop("stopped")
+    return EXIT_REQUEUE if stop.is_set and not finished() else EXIT_OK

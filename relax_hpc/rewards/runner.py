@@ -1,0 +1,245 @@
+"""Score a batch of responses with the recipe's reward function, whatever its kind, without ever crashing the run.
+
+A reward that raises, times out, or returns NaN/inf/a non-number counts as an error (``reward/errors``); its sample
+then scores 0 (``on_error: zero``) or is marked in :attr:`RewardResult.drop` so that the caller drops its whole group
+(``on_error: drop``). Sync functions run in the calling thread one sample at a time (no timeout: a sync function
+has to bound its own time, as ``math_answer`` does); async functions run concurrently on an event loop under
+``reward.timeout_s`` for the whole batch; samples not done by then fail with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from relax_hpc.config.schema import RewardConfig
+from relax_hpc.errors import ConfigError
+from relax_hpc.rewards.api import accepts_param, check_signature, is_async, is_batched
+from relax_hpc.rewards.registry import resolve_reward
+
+log = logging.getLogger(__name__)
+
+_MAX_WARNINGS = 5
+
+
+@dataclass
+class RewardResult:
+    """Scores of N responses."""
+
+    rewards: np.ndarray
+    """float32 [N]: the training reward (0 where the reward failed)."""
+    extras: dict[str, np.ndarray]
+    """name -> float32 [N]: the other keys of dict-valued rewards (NaN where a sample did not report the key)."""
+    failed: np.ndarray
+    """bool [N]: the reward raised, timed out or returned something that is not a finite number."""
+    reasons: list[str | None]
+    """Per sample: why it failed (None where it did not)."""
+    drop: np.ndarray
+    """bool [N]: samples whose group the caller must drop (failed samples when ``on_error`` is ``drop``)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """``reward/samples``, ``reward/errors`` (all failures), ``reward/timeouts`` (the part of them that timed out)."""
+
+    def group_drop_mask(self, group_size: int) -> np.ndarray:
+        """bool [N // group_size]: groups (consecutive runs of ``group_size`` samples) holding a sample to drop."""
+        n = len(self.drop)
+        if group_size < 1 or n % group_size:
+            raise ValueError(f"{n} samples do not split into groups of {group_size}")
+        return self.drop.reshape(n // group_size, group_size).any(axis=1)
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars to log: counts, ``reward/mean`` over samples that did not fail, and the nan-mean of each extra."""
+        ok = ~self.failed
+        out: dict[str, float] = {k: float(v) for k, v in self.counts.items()}
+        out["reward/mean"] = float(self.rewards[ok].mean()) if ok.any() else float("nan")
+        for name, values in self.extras.items():
+            finite = values[np.isfinite(values)]
+            out[f"reward/{name}"] = float(finite.mean()) if finite.size else float("nan")
+        return out
+
+
+class _Bad(Exception):
+    """A reward value that is not usable; the message is the reason recorded."""
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, (bool, np.bool_)):
+        return float(value)
+    if isinstance(value, (int, float, np.integer, np.floating)) or (isinstance(value, np.ndarray) and value.size == 1):
+        x = float(value)
+        if not math.isfinite(x):
+            raise _Bad(f"{what} is {x}")
+        return x
+    raise _Bad(f"{what} is a {type(value).__name__}, not a number")
+
+
+def _coerce(value: Any) -> tuple[float, dict[str, float]]:
+    """A returned value -> (training reward, extras). Raises :class:`_Bad`."""
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise _Bad(f"returned a dict without the key 'reward' (keys: {sorted(map(str, value))})")
+        extras = {str(k): _number(v, f"reward[{k!r}]") for k, v in value.items() if k != "reward"}
+        return _number(value["reward"], "reward['reward']"), extras
+    return _number(value, "reward"), {}
+
+
+def _reason(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class RewardRunner:
+    """Runs the reward function of a :class:`RewardConfig` over batches of responses."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        try:
+            self.fn = resolve_reward(cfg.name)
+        except ValueError as exc:
+            raise ConfigError(f"reward.name: {exc}") from None
+        except Exception as exc:
+            raise ConfigError(f"reward.name: cannot import reward {cfg.name!r}: {_reason(exc)}") from None
+        try:
+            check_signature(self.fn, cfg.kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"reward.kwargs: {cfg.name!r} does not accept {sorted(cfg.kwargs)}: {exc}") from None
+        self.batched = is_batched(self.fn)
+        self.is_async = is_async(self.fn)
+        self._meta_kw = "metas" if self.batched else "meta"
+        self._pass_meta = accepts_param(self.fn, self._meta_kw)
+        self._warned = 0
+
+    # ------------------------------------------------------------------------------------------------ public
+    def score(self, responses: Sequence[str], answers: Sequence[Any],
+              metas: Sequence[dict[str, Any]] | None = None) -> RewardResult:
+        """Score ``responses[i]`` against ``answers[i]``. Never raises because of the reward function."""
+        n = len(responses)
+        if len(answers) != n or (metas is not None and len(metas) != n):
+            raise ValueError(f"{n} responses but {len(answers)} answers / {len(metas or [])} metas")
+        metas = list(metas) if metas is not None else [{} for _ in range(n)]
+        if not self.is_async:
+            raw = self._run_sync(list(responses), list(answers), metas)
+        else:
+            coro = self._run_async(list(responses), list(answers), metas)
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                raw = asyncio.run(coro)
+            else:  # called from inside an event loop: run ours on a helper thread
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    raw = pool.submit(asyncio.run, coro).result()
+        return self._collect(raw)
+
+    # ------------------------------------------------------------------------------------------------ kinds
+    def _kwargs(self, meta: Any) -> dict[str, Any]:
+        return {**self.cfg.kwargs, self._meta_kw: meta} if self._pass_meta else dict(self.cfg.kwargs)
+
+    def _run_sync(self, responses: list[str], answers: list[Any], metas: list[dict[str, Any]]) -> list[Any]:
+        if self.batched:
+            try:
+                return self._split(self.fn(responses, answers, **self._kwargs(metas)), len(responses))
+            except Exception as exc:
+                return [exc] * len(responses)
+        out: list[Any] = []
+        for r, a, m in zip(responses, answers, metas, strict=True):
+            try:
+                value = self.fn(r, a, **self._kwargs(m))
+                if asyncio.iscoroutine(value):
+                    value.close()
+                    raise _Bad("returned a coroutine: declare the function `async def`")
+                out.append(value)
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    async def _run_async(self, responses: list[str], answers: list[Any], metas: list[dict[str, Any]]) -> list[Any]:
+        timeout = self.cfg.timeout_s
+        n = len(responses)
+        if self.batched:
+            try:
+                values = await asyncio.wait_for(self.fn(responses, answers, **self._kwargs(metas)), timeout)
+                return self._split(values, n)
+            except asyncio.TimeoutError:
+                return [asyncio.TimeoutError(f"timed out after {timeout:g}s")] * n
+            except Exception as exc:
+                return [exc] * n
+
+        async def one(r: str, a: Any, m: dict[str, Any]) -> Any:
+            return await self.fn(r, a, **self._kwargs(m))
+
+        tasks = [asyncio.ensure_future(one(r, a, m)) for r, a, m in zip(responses, answers, metas, strict=True)]
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)  # let cancellations run; never wait on a task that ignores them
+        out: list[Any] = []
+        for t in tasks:
+            if t in pending:
+                out.append(asyncio.TimeoutError(f"timed out after {timeout:g}s"))
+            elif t.cancelled():
+                out.append(_Bad("was cancelled"))
+            else:
+                exc = t.exception()
+                out.append(exc if exc is not None else t.result())
+        return out
+
+    @staticmethod
+    def _split(values: Any, n: int) -> list[Any]:
+        if isinstance(values, np.ndarray):
+            values = values.tolist()
+        if not isinstance(values, (list, tuple)):
+            return [_Bad(f"batched reward returned a {type(values).__name__}, not a list")] * n
+        if len(values) != n:
+            return [_Bad(f"batched reward returned {len(values)} values for {n} responses")] * n
+        return list(values)
+
+    # ------------------------------------------------------------------------------------------------ results
+    def _collect(self, raw: list[Any]) -> RewardResult:
+        n = len(raw)
+        rewards = np.zeros(n, dtype=np.float32)
+        failed = np.zeros(n, dtype=bool)
+        reasons: list[str | None] = [None] * n
+        extras: dict[str, np.ndarray] = {}
+        timeouts = 0
+        for i, value in enumerate(raw):
+            try:
+                if isinstance(value, BaseException):
+                    raise value
+                reward, named = _coerce(value)
+            except _Bad as exc:
+                failed[i], reasons[i] = True, str(exc)
+                continue
+            except asyncio.TimeoutError as exc:
+                failed[i], reasons[i] = True, f"TimeoutError: {exc}"
+                timeouts += 1
+                continue
+            except Exception as exc:
+                failed[i], reasons[i] = True, _reason(exc)
+                continue
+            rewards[i] = reward
+            for k, v in named.items():
+                extras.setdefault(k, np.full(n, np.nan, dtype=np.float32))[i] = v
+        errors = int(failed.sum())
+        self._warn(reasons)
+        drop = failed.copy() if self.cfg.on_error == "drop" else np.zeros(n, dtype=bool)
+        counts = {"reward/samples": n, "reward/errors": errors, "reward/timeouts": timeouts}
+        return RewardResult(rewards=rewards, extras=extras, failed=failed, reasons=reasons, drop=drop, counts=counts)
+
+    def _warn(self, reasons: list[str | None]) -> None:
+        bad = [r for r in reasons if r is not None]
+        if not bad:
+            return
+        if self._warned < _MAX_WARNINGS:
+            self._warned += 1
+            more = "" if self._warned < _MAX_WARNINGS else " (further reward errors are logged at debug level)"
+            log.warning("reward %s failed on %d/%d samples (on_error=%s), e.g. %s%s", self.cfg.name, len(bad),
+                        len(reasons), self.cfg.on_error, bad[0], more)
+        else:
+            log.debug("reward %s failed on %d/%d samples: %s", self.cfg.name, len(bad), len(reasons), bad[0])

@@ -1,0 +1,1 @@
+"""Rollout: generation engines (``hf`` in-process, ``sglang`` a server per node) and the rollout worker."""

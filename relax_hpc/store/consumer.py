@@ -1,0 +1,392 @@
+"""Consumer groups: exactly-once reading of the sample store by the ranks of one trainer, without locks.
+
+Protocol (``docs/protocol-samples.md``):
+
+* The leader (rank 0) plans each step from the current position and writes the plan atomically to
+  ``consumers/<name>/plans/step_NNNNNNNN.json`` (``position_before`` and ``position_after`` inside); every rank reads
+  its own part of it. A plan file, once written, is final: a leader that restarts from checkpoint ``k`` replays the
+  plans it finds for steps ``> k`` whose ``position_before`` continues its chain, and rewrites any other. Ranks accept
+  a plan only if its ``position_before`` equals the position they are at, so a stale plan is never read.
+* ``position_after(step)`` goes into the trainer's checkpoint; once the checkpoint is durable the leader calls
+  :meth:`ConsumerGroup.commit`, which writes ``consumers/<name>/position.json`` and only then applies retention to
+  shards below it. A trainer resumed from checkpoint ``k`` calls :meth:`ConsumerGroup.resume` with the position
+  stored there: nothing is skipped or read twice.
+* ``consumers/<name>/planned.json`` holds the latest planned position, for writers' backlog figures.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from relax_hpc.errors import CorruptShardError, StoreError, WaitTimeout
+from relax_hpc.fsio import atomic_write_json, read_json, refresh_nfs_cache, remove_debris, wait_for
+from relax_hpc.rundir import RunDir
+from relax_hpc.store.layout import (
+    ShardRef,
+    check_consumer,
+    check_position,
+    empty_position,
+    list_shards,
+    quarantine,
+    read_position,
+    resolve,
+)
+from relax_hpc.store.plan import GroupInfo, Plan, StalePolicy, select, split_ranks
+from relax_hpc.store.sample import Sample
+from relax_hpc.store.shard_reader import open_shard, read_groups, read_header
+from relax_hpc.store.writer import open_run_dir
+
+log = logging.getLogger("relax_hpc.store")
+Retention = Literal["delete", "keep"]
+
+
+class ConsumerGroup:
+    """One rank of a consumer group (``name``, default ``"trainer"``) reading the sample store.
+
+    Rank 0 plans (:meth:`plan`), commits (:meth:`commit`) and applies retention; other ranks wait for plans
+    (:meth:`wait_plan`). Every rank reads its part with :meth:`read`. The initial position is the committed one;
+    a trainer restored from a checkpoint calls :meth:`resume` on every rank before the first plan.
+    """
+
+    def __init__(
+        self,
+        run_dir: RunDir | Path | str,
+        name: str = "trainer",
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        retention: Retention = "delete",
+        keep_plans: int = 16,
+        debris_age_s: float = 3600.0,
+        header_cache: int = 4096,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if retention not in ("delete", "keep"):
+            raise ValueError(f"retention must be 'delete' or 'keep', got {retention!r}")
+        self.run_dir = open_run_dir(run_dir)
+        self.name = check_consumer(name)
+        self.rank, self.world_size = rank, world_size
+        self.retention: Retention = retention
+        self.keep_plans = keep_plans
+        self.debris_age_s = debris_age_s
+        self._cache: collections.OrderedDict[tuple[str, int], GroupInfo] = collections.OrderedDict()
+        self._cache_size = header_cache
+        self._plans: dict[int, Plan] = {}
+        #: Counters over this object's life: quarantined_shards/_samples, stale_dropped_samples, samples_read ...
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.run_dir.consumer_plans(self.name).mkdir(parents=True, exist_ok=True)
+        committed = read_position(self.run_dir.consumer_position(self.name), self.name)
+        self._set_base(committed or empty_position(self.name))
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def position(self) -> dict[str, Any]:
+        """The position after the last plan this rank planned or accepted (or the resumed/committed one)."""
+        return self._base
+
+    def _set_base(self, position: dict[str, Any]) -> None:
+        self._base = position
+        step = position.get("step")
+        self._last_step = step if isinstance(step, int) else -1
+
+    # ------------------------------------------------------------------------------------------------- planning
+    def plan(
+        self,
+        step: int,
+        num_samples: int | None = None,
+        *,
+        num_groups: int | None = None,
+        min_version: int | None = None,
+        stale_policy: StalePolicy = "drop",
+        timeout_s: float = 600.0,
+        wait: bool = True,
+    ) -> Plan:
+        """(Leader) Plan ``step``: whole groups until ``num_samples`` samples (>=, by whole groups) or exactly
+        ``num_groups`` groups, of policy version >= ``min_version`` (older ones dropped, or kept with ``stale``
+        set: ``stale_policy``). Waits up to ``timeout_s`` for enough data (:class:`WaitTimeout`); with
+        ``wait=False`` returns what is available now, possibly less or nothing (streaming: plan the next
+        micro-batch as a further step). A plan already on disk for ``step`` that continues this chain is replayed.
+        """
+        if not self.is_leader:
+            raise StoreError(f"only rank 0 plans; rank {self.rank} calls wait_plan({step})")
+        if (num_samples is None) == (num_groups is None):
+            raise ValueError("give exactly one of num_samples and num_groups")
+        if (num_samples or num_groups or 0) < 1:
+            raise ValueError("num_samples / num_groups must be >= 1")
+        if stale_policy not in ("drop", "flag"):
+            raise ValueError(f"stale_policy must be 'drop' or 'flag', got {stale_policy!r}")
+        if step <= self._last_step:
+            raise StoreError(
+                f"step {step} is not after the last planned step {self._last_step} of consumer {self.name!r}"
+            )
+        path = self.run_dir.consumer_plan(step, self.name)
+        existing = self._load_plan(path)
+        if existing is not None:
+            log.info("replaying plan %s written before a restart (%d samples)", path, existing.num_samples)
+            return self._accept(existing)
+        found: list[Any] = []
+
+        def attempt() -> Any:
+            sel = select(
+                self.run_dir,
+                self._base["writers"],
+                num_samples=num_samples,
+                num_groups=num_groups,
+                min_version=min_version,
+                stale_policy=stale_policy,
+                group_info=self._group_info,
+                extra_refs=self._quarantined_ref,
+            )
+            found[:] = [sel]
+            enough = len(sel.groups) >= num_groups if num_groups is not None else sel.samples >= (num_samples or 0)
+            return sel if enough or not wait else None
+
+        want = f"{num_groups} groups" if num_groups is not None else f"{num_samples} samples"
+        try:
+            sel = (
+                attempt()
+                if not wait
+                else wait_for(
+                    attempt, what=f"{want} for step {step} of consumer {self.name!r}", timeout_s=timeout_s, logger=log
+                )
+            )
+        except WaitTimeout:
+            have = found[0].samples if found else 0
+            raise WaitTimeout(
+                f"timed out after {timeout_s:.0f}s waiting for {want} for step {step} of consumer "
+                f"{self.name!r} (only {have} samples available)"
+            ) from None
+        ranks, counts = split_ranks(sel.groups, self.world_size)
+        after = {"format": 1, "consumer": self.name, "step": step, "writers": sel.writers}
+        plan = Plan(
+            step=step,
+            consumer=self.name,
+            world_size=self.world_size,
+            shards=[r.rel for r in sel.shards],
+            ranks=ranks,
+            rank_samples=counts,
+            position_before=self._base,
+            position_after=after,
+            min_version=min_version,
+            stale_policy=stale_policy,
+            stats={"samples": sel.samples, "groups": len(sel.groups), **sel.stats},
+        )
+        atomic_write_json(path, plan.to_json(), indent=None)
+        atomic_write_json(self.run_dir.consumer_planned(self.name), after, fsync=False)
+        for key in ("stale_dropped_samples", "stale_flagged_samples", "quarantined_samples"):
+            self.counters[key] += int(sel.stats.get(key, 0))
+        self.counters["quarantined_shards"] += len(sel.stats["quarantined_shards"])
+        return self._accept(plan)
+
+    def plan_available(self, step: int, num_samples: int | None = None, **kwargs: Any) -> Plan:
+        """(Leader) :meth:`plan` without waiting: up to ``num_samples`` of what is published now (maybe none)."""
+        return self.plan(step, num_samples, wait=False, **kwargs)
+
+    def wait_plan(self, step: int, timeout_s: float = 600.0) -> Plan:
+        """(Any rank) Wait for the leader's plan of ``step`` that continues this rank's position, and accept it."""
+        if step in self._plans:
+            return self._plans[step]
+        path = self.run_dir.consumer_plan(step, self.name)
+
+        def ready() -> Plan | None:
+            refresh_nfs_cache(path)
+            return self._load_plan(path)
+
+        return self._accept(wait_for(ready, what=f"plan {path}", timeout_s=timeout_s, logger=log))
+
+    def _load_plan(self, path: Path) -> Plan | None:
+        try:
+            data = read_json(path, default=None)
+        except (OSError, ValueError):
+            return None
+        if data is None or data.get("position_before", {}).get("writers") != self._base["writers"]:
+            return None  # absent, or a plan of an abandoned chain (before a restart from an older checkpoint)
+        return Plan.from_json(data)
+
+    def _accept(self, plan: Plan) -> Plan:
+        self._plans[plan.step] = plan
+        while len(self._plans) > 64:
+            self._plans.pop(min(self._plans))
+        self._set_base(check_position(plan.position_after, self.name))
+        return plan
+
+    def position_after(self, step: int) -> dict[str, Any]:
+        """The position after ``step``'s plan, to store in the trainer's checkpoint (JSON-able)."""
+        plan = self._plans.get(step) or self._plan_from_disk(step)
+        return dict(plan.position_after)
+
+    def _plan_from_disk(self, step: int) -> Plan:
+        path = self.run_dir.consumer_plan(step, self.name)
+        try:
+            return Plan.from_json(read_json(path))
+        except FileNotFoundError:
+            raise StoreError(f"no plan for step {step} of consumer {self.name!r} ({path})") from None
+
+    # --------------------------------------------------------------------------------------------------- reading
+    def _group_info(self, ref: ShardRef) -> GroupInfo | None:
+        key = (ref.writer_id, ref.seq)
+        info = self._cache.get(key)
+        if info is not None:
+            self._cache.move_to_end(key)
+            return info
+        path = resolve(self.run_dir, ref)
+        if path is None:
+            return None
+        try:
+            with open_shard(path) as f:
+                header = read_header(f, path)
+            if (header.num_samples, header.num_groups) != (ref.num_samples, ref.num_groups):
+                raise CorruptShardError(
+                    f"{path}: header says {header.num_samples} samples in {header.num_groups} "
+                    f"groups, the file name {ref.num_samples} in {ref.num_groups}"
+                )
+        except (CorruptShardError, FileNotFoundError) as exc:
+            quarantine(self.run_dir, ref, str(exc), detected_by=f"{self.name}-{self.rank} (plan)")
+            return None
+        goff = header.group_offsets.tolist()
+        versions = header.versions.tolist()
+        per_group = [versions[goff[g] : goff[g + 1]] for g in range(header.num_groups)]
+        info = GroupInfo(
+            [goff[g + 1] - goff[g] for g in range(header.num_groups)], [min(v) for v in per_group], per_group
+        )
+        self._cache[key] = info
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return info
+
+    def _quarantined_ref(self, writer_id: str, seq: int) -> ShardRef | None:
+        prefix = f"{writer_id}.{seq:012d}."
+        try:
+            names = [n for n in os.listdir(self.run_dir.quarantine) if n.startswith(prefix) and n.endswith(".h5")]
+        except FileNotFoundError:
+            return None
+        return ShardRef.parse(writer_id, names[0][len(writer_id) + 1 :]) if names else None
+
+    def read(self, plan: Plan) -> list[Sample]:
+        """This rank's samples of ``plan``, group by group in plan order, verified.
+
+        A shard that fails verification is quarantined (one warning), its bad groups are skipped and counted in
+        :attr:`counters` (``quarantined_samples``); the reader carries on. Samples below the plan's
+        ``min_version`` come back with ``stale=True`` when the plan's policy is ``"flag"``.
+        """
+        out: list[Sample] = []
+        runs = plan.ranks[self.rank] if self.rank < len(plan.ranks) else []
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for shard_idx, g0, g1 in runs:
+            by_shard.setdefault(shard_idx, []).append((g0, g1))
+        for shard_idx, group_runs in by_shard.items():
+            ref = ShardRef.from_rel(plan.shards[shard_idx])
+            out.extend(self._read_shard_runs(ref, group_runs))
+        if plan.min_version is not None and plan.stale_policy == "flag":
+            for s in out:
+                s.stale = s.version < plan.min_version
+        self.counters["samples_read"] += len(out)
+        return out
+
+    def _read_shard_runs(self, ref: ShardRef, group_runs: list[tuple[int, int]]) -> list[Sample]:
+        who = f"{self.name}-{self.rank}"
+        path = resolve(self.run_dir, ref)
+        if path is None:
+            lost = sum(g1 - g0 for g0, g1 in group_runs)
+            log.warning(
+                "shard %s of the plan is gone (deleted by retention of a newer commit?); skipping %d groups",
+                ref.rel,
+                lost,
+            )
+            self.counters["missing_groups"] += lost
+            return []
+        samples: list[Sample] = []
+        problem = ""
+        try:
+            with open_shard(path) as f:
+                header = read_header(f, path)
+                for i, (g0, g1) in enumerate(group_runs):
+                    try:
+                        res = read_groups(f, header, path, g0, g1)
+                    except CorruptShardError as exc:  # data unreadable: every group of the remaining runs is lost
+                        problem = str(exc)
+                        self._count_lost(ref, sum(b - a for a, b in group_runs[i:]))
+                        break
+                    samples.extend(res.samples)
+                    if res.bad_groups:
+                        problem = f"{path}: checksum mismatch in group(s) {res.bad_groups}"
+                        self.counters["quarantined_groups"] += len(res.bad_groups)
+                        self.counters["quarantined_samples"] += res.bad_samples
+        except (CorruptShardError, FileNotFoundError) as exc:  # does not open, or its header is damaged
+            problem = str(exc)
+            self._count_lost(ref, sum(g1 - g0 for g0, g1 in group_runs))
+        if problem:
+            self.counters["quarantined_shards"] += 1
+            quarantine(self.run_dir, ref, problem, detected_by=who)
+        return samples
+
+    def _count_lost(self, ref: ShardRef, groups: int) -> None:
+        """Count groups lost to a damaged shard (samples estimated from the name when the header is unreadable)."""
+        self.counters["quarantined_groups"] += groups
+        self.counters["quarantined_samples"] += round(groups * ref.num_samples / max(1, ref.num_groups))
+
+    # -------------------------------------------------------------------------------------- commit and retention
+    def commit(self, position: dict[str, Any]) -> None:
+        """(Leader; a no-op on other ranks) Record ``position`` (from :meth:`position_after`, stored in a durable
+        checkpoint) as committed, then apply retention to the shards below it and clean temp debris."""
+        if not self.is_leader:
+            return
+        position = check_position(position, self.name)
+        atomic_write_json(self.run_dir.consumer_position(self.name), position)
+        self.counters["shards_retired"] += self._retire(position)
+        step = position.get("step")
+        if isinstance(step, int):
+            self._prune_plans(step)
+        remove_debris(self.run_dir.samples_tmp, older_than_s=self.debris_age_s)
+
+    def _retire(self, position: dict[str, Any]) -> int:
+        if self.retention == "keep":
+            return 0
+        n = 0
+        for w, (seq, _, _) in position["writers"].items():
+            for ref in list_shards(self.run_dir, w):
+                if ref.seq >= seq:
+                    break
+                try:
+                    self.run_dir.shard_file(w, ref.name).unlink()
+                    n += 1
+                except FileNotFoundError:
+                    pass
+                self._cache.pop((w, ref.seq), None)
+        return n
+
+    def _prune_plans(self, committed_step: int) -> None:
+        folder = self.run_dir.consumer_plans(self.name)
+        for p in folder.glob("step_*.json"):
+            try:
+                step = int(p.stem[5:])
+            except ValueError:
+                continue
+            if step <= committed_step - self.keep_plans:
+                p.unlink(missing_ok=True)
+
+    def resume(self, position: dict[str, Any] | None = None) -> None:
+        """Continue from ``position`` (from a checkpoint) or, if None, from the committed position.
+
+        Plans for later steps are replayed if they continue from it, otherwise re-planned.
+        """
+        if position is None:
+            position = read_position(self.run_dir.consumer_position(self.name), self.name)
+        self._plans.clear()
+        self._set_base(check_position(position, self.name) if position else empty_position(self.name))
+        if self.is_leader:
+            atomic_write_json(self.run_dir.consumer_planned(self.name), self._base, fsync=False)
+
+
+def consumed_shards(run_dir: RunDir, name: str = "trainer") -> int:
+    """Shards below the committed position still on disk (retention ``keep``, or not yet retired)."""
+    position = read_position(run_dir.consumer_position(name), name) or empty_position(name)
+    return sum(sum(1 for r in list_shards(run_dir, w) if r.seq < seq) for w, (seq, _, _) in position["writers"].items())

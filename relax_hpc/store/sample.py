@@ -1,0 +1,257 @@
+"""Samples and prompt groups as the store sees them: numpy arrays plus small JSON-able dicts.
+
+A :class:`Sample` is one rollout (prompt + response) with everything the trainer needs; a :class:`SampleGroup` holds
+the ``n`` samples of one prompt (GRPO computes advantages within a group, so groups are never split).
+
+Multimodal tensors (``pixel_values``, ``image_grid_thw``, ``input_features``, video frames ...) may be numpy arrays
+or torch tensors (detected by duck typing; torch is never imported to read). Dtypes numpy lacks (``bfloat16``,
+``float8_*``) are stored as their raw bits (``uint16`` / ``uint8``) with the logical dtype name recorded in
+:attr:`Sample.tensor_dtypes`; :func:`to_torch` views the bits back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from relax_hpc.errors import SampleValidationError
+
+#: Logical dtypes numpy has no type for -> the unsigned type of the same width that carries their bits.
+RAW_DTYPES: dict[str, type[np.unsignedinteger]] = {
+    "bfloat16": np.uint16,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+    "float8_e4m3fnuz": np.uint8,
+    "float8_e5m2fnuz": np.uint8,
+}
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
+_REQUIRED = ("prompt_ids", "response_ids", "logprobs", "reward")
+
+
+@dataclass(eq=False, slots=True)
+class Sample:
+    """One rollout. Token arrays are 1-D; ``loss_mask``/``logprobs`` have one entry per response token.
+
+    On write ``loss_mask=None`` means "train on every response token" and ``version_first``/``version_last`` default
+    to ``version``. On read every field is filled in and ``stale`` tells whether ``version`` is below the
+    ``min_version`` the plan asked for (``stale_policy="flag"``).
+    """
+
+    prompt_ids: np.ndarray
+    """Prompt token ids (integer dtype, stored as int32)."""
+    response_ids: np.ndarray
+    """Response token ids, including tool/environment tokens of multi-turn rollouts."""
+    logprobs: np.ndarray
+    """Per response token log-probability under the rollout policy (stored as float32)."""
+    reward: float
+    """The scalar reward used for the advantage."""
+    loss_mask: np.ndarray | None = None
+    """1 for tokens the policy generated, 0 for tool/environment tokens (stored as uint8)."""
+    version: int = 0
+    """Policy (weight snapshot) version that generated the sample."""
+    version_first: int | None = None
+    """Oldest version used if the weights changed mid-generation (defaults to ``version``)."""
+    version_last: int | None = None
+    """Newest version used if the weights changed mid-generation (defaults to ``version``)."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Optional named extra rewards (``format``, ``length_penalty`` ...)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent per phase (``generate``, ``reward`` ...)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Any JSON-able data (sample id, dataset row, finish reason ...)."""
+    tensors: dict[str, Any] = field(default_factory=dict)
+    """Named multimodal tensors of any shape: numpy arrays or torch tensors on write, numpy arrays on read."""
+    tensor_dtypes: dict[str, str] = field(default_factory=dict)
+    """Logical dtype name per tensor (on read always filled; on write only needed for raw ``bfloat16`` bits)."""
+    group_id: str = ""
+    """Set from the :class:`SampleGroup` on write and filled in on read."""
+    stale: bool = False
+    """On read: ``version < min_version`` of the plan (only ever True with ``stale_policy="flag"``)."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        """Build a sample from a plain dict; missing or unknown keys raise :class:`SampleValidationError`."""
+        if not isinstance(data, dict):
+            raise SampleValidationError(f"a sample must be a dict or a Sample, got {type(data).__name__}")
+        missing = [k for k in _REQUIRED if k not in data]
+        if missing:
+            raise SampleValidationError(f"sample is missing required key(s): {', '.join(missing)}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SampleValidationError(f"sample has unknown key(s): {', '.join(unknown)} (known: {sorted(known)})")
+        return cls(**data)
+
+    def torch_tensor(self, name: str) -> Any:
+        """The multimodal tensor ``name`` as a torch tensor in its logical dtype (imports torch)."""
+        arr = self.tensors[name]
+        return to_torch(arr, self.tensor_dtypes.get(name, arr.dtype.name))
+
+
+@dataclass(eq=False)
+class SampleGroup:
+    """The samples of one prompt. ``group_id`` must be unique within the run (e.g. ``<writer>:<n>``)."""
+
+    group_id: str
+    samples: list[Sample]
+
+
+def to_torch(array: np.ndarray, dtype_name: str | None = None) -> Any:
+    """Turn a stored array into a torch tensor of logical dtype ``dtype_name`` (views raw bits, no copy)."""
+    import torch
+
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if dtype_name is None or dtype_name == array.dtype.name:
+        return tensor
+    if dtype_name in RAW_DTYPES:
+        if array.dtype != RAW_DTYPES[dtype_name]:
+            raise ValueError(
+                f"{dtype_name} bits must be stored as {np.dtype(RAW_DTYPES[dtype_name]).name}, got {array.dtype.name}"
+            )
+        return tensor.view(getattr(torch, dtype_name))
+    raise ValueError(f"cannot view a {array.dtype.name} array as {dtype_name}")
+
+
+@dataclass(slots=True)
+class CheckedSample:
+    """A sample after validation: arrays in their stored dtypes, the JSON part encoded."""
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    reward: float
+    version: int
+    version_first: int
+    version_last: int
+    doc: dict[str, Any]
+    """The JSON part: ``{"r": rewards, "t": timings, "m": metadata}`` (empty entries left out)."""
+    tensors: dict[str, tuple[np.ndarray, str]]
+
+
+def _int_array(value: Any, name: str, where: str) -> np.ndarray:
+    if value is None:
+        raise SampleValidationError(f"{where}: required field '{name}' is missing")
+    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if arr.ndim != 1:
+        raise SampleValidationError(f"{where}: field '{name}' must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+        raise SampleValidationError(f"{where}: field '{name}' must hold integer token ids, got dtype {arr.dtype}")
+    return arr
+
+
+def _number(value: Any, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise SampleValidationError(f"{where}: field '{name}' must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _number_dict(value: Any, name: str, where: str) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise SampleValidationError(f"{where}: field '{name}' must be a dict of name -> number")
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise SampleValidationError(f"{where}: field '{name}' has a non-string key {k!r}")
+        out[k] = _number(v, f"{name}[{k!r}]", where)
+    return out
+
+
+def _version(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise SampleValidationError(f"{where}: field '{name}' must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def tensor_to_numpy(value: Any, declared: str | None, name: str, where: str) -> tuple[np.ndarray, str]:
+    """A multimodal tensor as (contiguous storage array, logical dtype name). Accepts numpy or torch (duck typed)."""
+    if isinstance(value, np.ndarray):
+        arr, logical = value, value.dtype.name
+        if logical in RAW_DTYPES:  # ml_dtypes.bfloat16 and friends
+            arr = arr.view(RAW_DTYPES[logical])
+        elif declared is not None and declared != logical:
+            raw = RAW_DTYPES.get(declared)
+            if raw is None or arr.dtype != raw:
+                raise SampleValidationError(f"{where}: tensor '{name}' is {logical} but tensor_dtypes says {declared}")
+            logical = declared
+    elif hasattr(value, "detach") and hasattr(value, "numpy") and hasattr(value, "dtype"):
+        tensor = value.detach()
+        if hasattr(tensor, "cpu"):
+            tensor = tensor.cpu()
+        logical = str(tensor.dtype).removeprefix("torch.")
+        if logical in RAW_DTYPES:
+            import torch
+
+            tensor = tensor.contiguous().view(getattr(torch, np.dtype(RAW_DTYPES[logical]).name))
+        arr = tensor.contiguous().numpy()
+    else:
+        raise SampleValidationError(
+            f"{where}: tensor '{name}' must be a numpy array or a torch tensor, got {type(value).__name__}"
+        )
+    if arr.dtype.kind not in "biuf":
+        raise SampleValidationError(f"{where}: tensor '{name}' has unsupported dtype {arr.dtype}")
+    if arr.dtype.kind == "b":
+        arr = arr.view(np.uint8)
+    return np.ascontiguousarray(arr), logical
+
+
+def check_sample(sample: Sample | dict[str, Any], where: str) -> CheckedSample:
+    """Validate one sample (dtypes, shapes, types); raises :class:`SampleValidationError` naming the field.
+
+    Value-range checks (token ids fit int32, mask is 0/1) and JSON encoding run later, once per shard or group.
+    """
+    if isinstance(sample, dict):
+        sample = Sample.from_dict(sample)
+    elif not isinstance(sample, Sample):
+        raise SampleValidationError(f"{where}: expected a Sample or dict, got {type(sample).__name__}")
+    prompt = _int_array(sample.prompt_ids, "prompt_ids", where)
+    response = _int_array(sample.response_ids, "response_ids", where)
+    n = response.shape[0]
+    if sample.logprobs is None:
+        raise SampleValidationError(f"{where}: required field 'logprobs' is missing")
+    logprobs = sample.logprobs if isinstance(sample.logprobs, np.ndarray) else np.asarray(sample.logprobs)
+    if logprobs.dtype.kind != "f" and not (logprobs.size == 0 and logprobs.dtype.kind in "iu"):
+        raise SampleValidationError(f"{where}: field 'logprobs' must be floating point, got dtype {logprobs.dtype}")
+    if logprobs.shape != (n,):
+        raise SampleValidationError(
+            f"{where}: field 'logprobs' has shape {logprobs.shape}, expected ({n},) (one per response token)"
+        )
+    if sample.loss_mask is None:
+        mask = np.ones(n, np.uint8)
+    else:
+        mask = sample.loss_mask if isinstance(sample.loss_mask, np.ndarray) else np.asarray(sample.loss_mask)
+        if mask.dtype.kind not in "biu":
+            raise SampleValidationError(f"{where}: field 'loss_mask' must be bool or integer, got dtype {mask.dtype}")
+        if mask.shape != (n,):
+            raise SampleValidationError(
+                f"{where}: field 'loss_mask' has shape {mask.shape}, expected ({n},) (one per response token)"
+            )
+    reward = _number(sample.reward, "reward", where)
+    version = _version(sample.version, "version", where)
+    first = version if sample.version_first is None else _version(sample.version_first, "version_first", where)
+    last = version if sample.version_last is None else _version(sample.version_last, "version_last", where)
+    if first > last:
+        raise SampleValidationError(f"{where}: version_first ({first}) > version_last ({last})")
+    doc: dict[str, Any] = {}
+    if sample.rewards:
+        doc["r"] = _number_dict(sample.rewards, "rewards", where)
+    if sample.timings:
+        doc["t"] = _number_dict(sample.timings, "timings", where)
+    if sample.metadata:
+        if not isinstance(sample.metadata, dict):
+            raise SampleValidationError(f"{where}: field 'metadata' must be a dict")
+        doc["m"] = sample.metadata
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    if sample.tensors:
+        if not isinstance(sample.tensors, dict):
+            raise SampleValidationError(f"{where}: field 'tensors' must be a dict of name -> array")
+        declared = sample.tensor_dtypes or {}
+        for tname, value in sample.tensors.items():
+            if not isinstance(tname, str) or not NAME_RE.match(tname):
+                raise SampleValidationError(f"{where}: tensor name {tname!r} must match {NAME_RE.pattern}")
+            tensors[tname] = tensor_to_numpy(value, declared.get(tname), tname, where)
+    return CheckedSample(prompt, response, mask, logprobs, reward, version, first, last, doc, tensors)

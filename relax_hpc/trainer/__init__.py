@@ -1,0 +1,1 @@
+"""The learner: packing, the torch (HF + FSDP2) trainer, checkpoints, the supervised warm-up."""

@@ -1,0 +1,146 @@
+"""What the trainer consumes, and packing into micro-batches without padding.
+
+A :class:`TrainItem` is one sample (prompt + response) with everything the loss needs. :func:`pack` groups items into
+micro-batches of at most ``max_tokens`` tokens (first-fit decreasing), each laid out as ONE row with position ids that
+restart at every sequence; HF models then build a block-diagonal causal mask from the position ids (no attention
+across sequences, no pad tokens). Only the logits at response positions are computed (``logits_to_keep``).
+
+Shapes (one micro-batch, S sequences, L packed tokens, T response tokens):
+    input_ids, position_ids  [1, L]
+    logit_index              [T]  position whose logits predict each response token
+    targets                  [T]  the response tokens
+    seq_ids                  [T]  which of the S sequences each response token belongs to
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class TrainItem:
+    """One sample as the trainer sees it."""
+
+    prompt_ids: np.ndarray
+    """[P] int prompt token ids."""
+    response_ids: np.ndarray
+    """[R] int response token ids."""
+    rollout_logprobs: np.ndarray
+    """[R] float log-probs recorded by the rollout engine."""
+    loss_mask: np.ndarray
+    """[R] 0/1: tokens that count in the loss (tool/environment tokens are 0)."""
+    advantage: float = 0.0
+    """Sequence advantage (filled by the algorithm before packing)."""
+    reward: float = 0.0
+    """Scalar reward."""
+    version: int = 0
+    """Policy version that generated the sample."""
+    group_id: str = ""
+    """Prompt group."""
+    weight: float = 1.0
+    """Extra per-sample weight (e.g. staleness re-weighting)."""
+    multimodal: dict[str, Any] = field(default_factory=dict)
+    """Named model inputs (pixel_values ...) as torch tensors or numpy arrays: such items get a micro-batch of their
+    own."""
+    token_advantages: np.ndarray | None = None
+    """[R] per-token advantages (distillation); overrides ``advantage`` when set."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class MicroBatch:
+    """One packed row of sequences (torch tensors)."""
+
+    input_ids: Any
+    position_ids: Any
+    logit_index: Any
+    targets: Any
+    seq_ids: Any
+    rollout_logprobs: Any
+    loss_mask: Any
+    advantages: Any
+    weights: Any
+    items: list[TrainItem]
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def plan_packs(lengths: list[int], max_tokens: int, *, alone: set[int] | None = None) -> list[list[int]]:
+    """First-fit decreasing: indices grouped so each group's total length is <= max_tokens (a longer sequence gets a
+    group of its own). Indices in ``alone`` always get a group of their own."""
+    alone = alone or set()
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        if i in alone:
+            packs.append([i])
+            room.append(-1)
+            continue
+        for k, r in enumerate(room):
+            if r >= lengths[i]:
+                packs[k].append(i)
+                room[k] -= lengths[i]
+                break
+        else:
+            packs.append([i])
+            room.append(max_tokens - lengths[i])
+    return packs
+
+
+def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu") -> MicroBatch:
+    """Lay ``items`` out as one packed row."""
+    import torch
+
+    ids, pos, logit_index, targets, seq_ids = [], [], [], [], []
+    lp, mask, adv, w = [], [], [], []
+    offset = 0
+    for s, it in enumerate(items):
+        p, r = len(it.prompt_ids), len(it.response_ids)
+        ids.append(np.concatenate([it.prompt_ids, it.response_ids]).astype(np.int64))
+        pos.append(np.arange(p + r, dtype=np.int64))
+        logit_index.append(offset + p - 1 + np.arange(r, dtype=np.int64))
+        targets.append(np.asarray(it.response_ids, dtype=np.int64))
+        seq_ids.append(np.full(r, s, dtype=np.int64))
+        lp.append(np.asarray(it.rollout_logprobs, dtype=np.float32))
+        mask.append(np.asarray(it.loss_mask, dtype=np.float32))
+        adv.append(np.asarray(it.token_advantages, dtype=np.float32) if it.token_advantages is not None
+                   else np.full(r, it.advantage, dtype=np.float32))
+        w.append(np.full(r, it.weight, dtype=np.float32))
+        offset += p + r
+
+    def t(parts: list[np.ndarray]) -> Any:
+        return torch.from_numpy(np.concatenate(parts)).to(device)
+
+    model_kwargs: dict[str, Any] = {}
+    if len(items) == 1 and items[0].multimodal:
+        model_kwargs = {k: torch.as_tensor(v).to(device) for k, v in items[0].multimodal.items()}
+    return MicroBatch(input_ids=t(ids)[None], position_ids=t(pos)[None], logit_index=t(logit_index),
+                      targets=t(targets), seq_ids=t(seq_ids), rollout_logprobs=t(lp), loss_mask=t(mask),
+                      advantages=t(adv), weights=t(w), items=items, model_kwargs=model_kwargs)
+
+
+def pack(items: list[TrainItem], max_tokens: int, *, device: Any = "cpu") -> list[MicroBatch]:
+    """Pack items into micro-batches of at most ``max_tokens`` tokens each (no padding)."""
+    alone = {i for i, it in enumerate(items) if it.multimodal}
+    groups = plan_packs([it.num_tokens for it in items], max_tokens, alone=alone)
+    return [build_micro_batch([items[i] for i in g], device=device) for g in groups]
+
+
+def padding_fraction_padded(lengths: list[int], batch_size: int) -> float:
+    """Share of compute that plain right-padded batches of ``batch_size`` would spend on padding (for reports)."""
+    total = padded = 0
+    for k in range(0, len(lengths), batch_size):
+        chunk = lengths[k:k + batch_size]
+        total += sum(chunk)
+        padded += max(chunk) * len(chunk)
+    return 0.0 if padded == 0 else 1.0 - total / padded

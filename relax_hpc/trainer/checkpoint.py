@@ -1,0 +1,129 @@
+"""Trainer checkpoints: safetensors for tensors, JSON for everything else (never pickle on the shared filesystem).
+
+``checkpoints/step_NNNNNNNN/`` holds ``model.safetensors`` (full, unsharded state dict: loadable whatever the
+trainer's parallel layout was), ``optimizer.safetensors`` (optimizer tensors keyed by parameter name),
+``state.json`` (step, policy version, param groups, data position, sample-store read position, RNG states) and the
+``COMPLETE`` marker written last. ``checkpoints/LATEST`` names the newest complete one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relax_hpc.fsio import atomic_write_text, is_complete, read_json, staged_dir
+from relax_hpc.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def rng_state() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(json part, tensor part) of the python/numpy/torch RNG states."""
+    import torch
+
+    py = random.getstate()
+    np_state = np.random.get_state()
+    js = {"python": [py[0], list(py[1]), py[2]],
+          "numpy": [np_state[0], np.asarray(np_state[1]).tolist(), int(np_state[2]), int(np_state[3]),
+                    float(np_state[4])]}
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    return js, tensors
+
+
+def set_rng_state(js: dict[str, Any], tensors: dict[str, Any]) -> None:
+    import torch
+
+    v, state, gauss = js["python"]
+    random.setstate((v, tuple(state), gauss))
+    n = js["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    if "rng.torch" in tensors:
+        torch.set_rng_state(tensors["rng.torch"].cpu())
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"].cpu())
+
+
+def flatten_optimizer(osd: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Optimizer state dict (keyed by parameter name) -> (tensors, json param_groups)."""
+    import torch
+
+    tensors = {}
+    for pname, st in osd["state"].items():
+        for k, v in st.items():
+            t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+            tensors[f"{pname}::{k}"] = t.detach().cpu().contiguous()
+    return tensors, osd["param_groups"]
+
+
+def unflatten_optimizer(tensors: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        pname, _, k = key.rpartition("::")
+        state.setdefault(pname, {})[k] = t
+    return {"state": state, "param_groups": groups}
+
+
+def save_checkpoint(run_dir: RunDir, step: int, *, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None,
+                    state: dict[str, Any], keep: int = 2) -> Path:
+    """Publish ``checkpoints/step_<step>`` atomically and move LATEST. Only the leader rank calls this."""
+    from safetensors.torch import save_file
+
+    final = run_dir.checkpoint(step)
+    if is_complete(final):
+        shutil.rmtree(final)  # re-saving the same step (e.g. on a signal right after a periodic save)
+    rng_js, rng_t = rng_state()
+    with staged_dir(final) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in model_sd.items()}, str(tmp / "model.safetensors"))
+        groups: list[dict[str, Any]] = []
+        if optim_sd is not None:
+            ot, groups = flatten_optimizer(optim_sd)
+            save_file({**ot, **rng_t}, str(tmp / "optimizer.safetensors"))
+        else:
+            save_file(rng_t, str(tmp / "optimizer.safetensors"))
+        from relax_hpc.fsio import atomic_write_json
+
+        atomic_write_json(tmp / "state.json", {**state, "step": step, "param_groups": groups, "rng": rng_js})
+    atomic_write_text(run_dir.checkpoints_latest, f"{step}\n")
+    _retention(run_dir, keep)
+    log.info("checkpoint step %d saved to %s", step, final)
+    return final
+
+
+def _retention(run_dir: RunDir, keep: int) -> None:
+    done = sorted(p for p in run_dir.checkpoints.glob("step_*") if is_complete(p))
+    for p in done[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: RunDir) -> Path | None:
+    """The newest complete checkpoint (LATEST, else a scan), or None."""
+    try:
+        step = int(run_dir.checkpoints_latest.read_text().strip())
+        p = run_dir.checkpoint(step)
+        if is_complete(p):
+            return p
+    except (OSError, ValueError):
+        pass
+    done = sorted(p for p in run_dir.checkpoints.glob("step_*") if is_complete(p))
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """(model state dict, optimizer state dict or None, state json). Sets the RNG states."""
+    from safetensors.torch import load_file
+
+    state = read_json(path / "state.json")
+    model_sd = load_file(str(path / "model.safetensors"))
+    ot = load_file(str(path / "optimizer.safetensors"))
+    rng_t = {k: v for k, v in ot.items() if k.startswith("rng.")}
+    ot = {k: v for k, v in ot.items() if not k.startswith("rng.")}
+    set_rng_state(state["rng"], rng_t)
+    optim_sd = unflatten_optimizer(ot, state["param_groups"]) if state["param_groups"] else None
+    return model_sd, optim_sd, state

@@ -1,0 +1,103 @@
+"""What every trainer-side loop shares: resume, periodic checkpoints, weight publishing, final export, metrics.
+
+The checkpoint holds the model, optimizer, RNG states, the prompt stream's position (colocate), the sample store's
+read position (so a resumed trainer neither skips nor repeats a shard) and the policy version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.events import EventLog
+from relax_hpc.rundir import RunDir
+from relax_hpc.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class TrainerSession:
+    """Checkpoint/publish bookkeeping around a :class:`TorchTrainer` (rank 0 writes; all ranks gather)."""
+
+    def __init__(self, run_dir: RunDir, cfg: RecipeConfig, trainer: Any, tokenizer: Any, events: EventLog,
+                 *, rank: int = 0):
+        from relax_hpc.weights import SnapshotPublisher
+
+        self.run_dir = run_dir
+        self.cfg = cfg
+        self.trainer = trainer
+        self.tokenizer = tokenizer
+        self.events = events
+        self.rank = rank
+        self.publisher = SnapshotPublisher(run_dir, keep_last=cfg.weights.keep_last) if rank == 0 else None
+        self.version = 0
+        self.last_checkpoint_step = -1
+
+    def resume(self) -> dict[str, Any] | None:
+        """Load the latest checkpoint if there is one. Returns its state JSON (or None for a fresh start)."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return None
+        model_sd, optim_sd, state = load_checkpoint(path)
+        self.trainer.load_full_state(model_sd, optim_sd)
+        self.trainer.step = int(state["step"])
+        self.version = int(state.get("version", state["step"]))
+        self.last_checkpoint_step = self.trainer.step
+        self.events.event("resumed", f"resumed from {path.name}", step=self.trainer.step, checkpoint=str(path))
+        log.info("resumed from %s (step %d, version %d)", path, self.trainer.step, self.version)
+        return state
+
+    def checkpoint(self, extra_state: dict[str, Any]) -> None:
+        """Save a checkpoint of the current step (every rank calls; rank 0 writes)."""
+        t0 = time.perf_counter()
+        model_sd = self.trainer.full_state_dict()
+        optim_sd = self.trainer.full_optimizer_state()
+        if self.rank == 0:
+            step = self.trainer.step
+            save_checkpoint(self.run_dir, step, model_sd=model_sd, optim_sd=optim_sd,
+                            state={"version": self.version, **extra_state}, keep=self.cfg.trainer.keep_checkpoints)
+            self.events.event("checkpoint_saved", f"checkpoint at step {step}", step=step,
+                              seconds=time.perf_counter() - t0)
+        self.last_checkpoint_step = self.trainer.step
+
+    def publish(self, state_dict: dict[str, Any] | None = None) -> float:
+        """Publish the current weights as snapshot ``version`` (= trainer step). Returns seconds spent."""
+        t0 = time.perf_counter()
+        sd = state_dict if state_dict is not None else self.trainer.full_state_dict()
+        if self.rank == 0 and self.publisher is not None:
+            version = self.trainer.step
+            from relax_hpc.weights import latest_version
+
+            latest = latest_version(self.run_dir)
+            if latest is None or version > latest:
+                self.publisher.publish(sd, version=version, step=self.trainer.step,
+                                       model_config=_model_config(self.trainer.model))
+        return time.perf_counter() - t0
+
+    def export(self) -> None:
+        """Write the final model in HF format (safetensors + config + tokenizer) to RUN_DIR/export."""
+        import shutil
+
+        from relax_hpc.fsio import staged_dir
+
+        sd = self.trainer.full_state_dict()
+        if self.rank != 0:
+            return
+        final = self.run_dir.export
+        if final.exists():
+            shutil.rmtree(final)
+        model = self.trainer.model
+        with staged_dir(final) as tmp:
+            model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+        self.events.event("exported", f"final model exported to {final}", step=self.trainer.step, path=str(final))
+
+
+def _model_config(model: Any) -> dict[str, Any] | None:
+    cfg = getattr(model, "config", None)
+    try:
+        return cfg.to_dict() if cfg is not None else None
+    except Exception:
+        return None

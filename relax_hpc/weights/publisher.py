@@ -1,0 +1,363 @@
+"""Publishing versioned weight snapshots: one process with the full state dict, or several ranks with parts.
+
+One process (:meth:`SnapshotPublisher.publish`): the state dict is split into safetensors files of at most
+``max_file_bytes`` inside a ``.tmp-`` folder; the manifest is written, then ``COMPLETE`` last, and the folder is
+renamed to ``weights/vNNNNNN`` (:func:`relax_hpc.fsio.staged_dir`); only then does ``weights/LATEST`` move.
+
+Several ranks (:meth:`SnapshotPublisher.publish_part`): each rank writes its files and then a ``part-rNNNNN.json``
+(its commit point) into the shared staging folder :meth:`RunDir.snapshot_staging`. Rank 0, the leader, waits (with a
+timeout) until every rank's part is there, checks that the parts fit together (no duplicate names, shards tile their
+tensors), writes the manifest and ``COMPLETE``, renames the folder into place and moves LATEST. A part is either a
+whole tensor under its full name, or a :class:`Shard` (a slice of the full tensor along one dim); readers always see
+full tensors under full names.
+
+A publish killed at any point leaves only ``.tmp-`` debris (removed after ``debris_after_s``) and LATEST naming the
+previous complete version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from relax_hpc.errors import RunDirError, SnapshotError, WaitTimeout
+from relax_hpc.fsio import (
+    COMPLETE_MARKER,
+    _describe_oserror,
+    atomic_write_json,
+    atomic_write_text,
+    fsync_dir,
+    read_json,
+    remove_debris,
+    staged_dir,
+    tmp_name,
+    wait_for,
+)
+from relax_hpc.rundir import RunDir
+from relax_hpc.weights import retention
+from relax_hpc.weights.format import HashPipeline, st_dtype, tensor_nbytes, write_file
+from relax_hpc.weights.manifest import (
+    FORMAT,
+    MANIFEST,
+    PROTOCOL,
+    check_pieces,
+    complete_versions,
+    latest_version,
+    write_latest,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from relax_hpc.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+class Shard(NamedTuple):
+    """A rank's slice of a tensor: ``full[offset:offset + part.shape[dim]]`` along ``dim`` of ``full_shape``."""
+
+    dim: int
+    offset: int
+    full_shape: tuple[int, ...]
+
+
+def default_token() -> str:
+    """An id of this trainer incarnation that every rank of it computes alike (Slurm or torchrun restart ids)."""
+    env = os.environ
+    if "SLURM_JOB_ID" in env:
+        return f"{env['SLURM_JOB_ID']}.{env.get('SLURM_RESTART_COUNT', '0')}"
+    if "TORCHELASTIC_RUN_ID" in env:
+        return f"{env['TORCHELASTIC_RUN_ID']}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return "0"
+
+
+def _part_meta(folder: Path, rank: int) -> Path:
+    return folder / f"part-r{rank:05d}.json"
+
+
+class SnapshotPublisher:
+    """Writes weight snapshots into ``RUN_DIR/weights`` and applies retention. One publisher (leader) per run."""
+
+    def __init__(self, run_dir: RunDir | Path | str, *, keep_last: int = 3, max_file_bytes: int = 2 << 30,
+                 debris_after_s: float = 600.0, part_timeout_s: float = 600.0, events: EventLog | None = None):
+        self.rd = RunDir.open(run_dir.root if isinstance(run_dir, RunDir) else run_dir)
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        if max_file_bytes < 1:
+            raise ValueError(f"max_file_bytes must be positive, got {max_file_bytes}")
+        self.keep_last = keep_last
+        self.max_file_bytes = max_file_bytes
+        self.debris_after_s = debris_after_s
+        self.part_timeout_s = part_timeout_s
+        self.events = events
+        try:
+            for folder in (self.rd.weights, self.rd.weight_leases, self.rd.weight_pins):
+                folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunDirError(_describe_oserror(exc, self.rd.weights)) from exc
+
+    # ------------------------------------------------------------------ public API
+    def next_version(self) -> int:
+        """One above the newest published version (1 for a fresh run); what a resumed trainer should publish next."""
+        versions = complete_versions(self.rd)
+        return max([latest_version(self.rd) or 0, *versions]) + 1
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, step: int,
+                model_config: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+        """Publish a full state dict as snapshot ``version``; returns its folder once LATEST names it."""
+        self._check_version(version)
+        items = self._items(state_dict)
+        t0 = time.monotonic()
+        final = self.rd.snapshot(version)
+        with staged_dir(final, marker_content=str(version)) as tmp:
+            files, tensors = self._write(tmp, items, rank=0, world_size=1, shards={})
+            manifest = self._manifest(version, step, files, tensors, 1, model_config, extra)
+            atomic_write_json(tmp / MANIFEST, manifest, fsync=False)
+        self._finish(version, step, manifest, t0)
+        return final
+
+    def publish_part(self, tensors: Mapping[str, torch.Tensor], *, version: int, step: int, rank: int,
+                     world_size: int, shards: Mapping[str, Shard] | None = None, token: str | None = None,
+                     model_config: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+        """Write this rank's part of snapshot ``version``; rank 0 also waits for all parts and commits.
+
+        ``tensors`` maps full tensor names to whole tensors, or, for names in ``shards``, to this rank's slice.
+        ``token`` must be the same on every rank of one trainer incarnation (default: :func:`default_token`).
+        Returns the snapshot folder (complete when rank 0 returns). Rank 0 raises :class:`WaitTimeout` naming the
+        missing ranks after ``part_timeout_s``.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self._check_version(version)
+        shards = dict(shards or {})
+        items = self._items(tensors)
+        unknown = sorted(set(shards) - {k for k, _ in items})
+        if unknown:
+            raise SnapshotError(f"shards given for tensors not in this part: {unknown[:5]}")
+        token = re.sub(r"[^A-Za-z0-9_.-]", "_", token if token is not None else default_token())
+        t0 = time.monotonic()
+        staging = self.rd.snapshot_staging(version, token)
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunDirError(_describe_oserror(exc, staging)) from exc
+        meta = _part_meta(staging, rank)
+        meta.unlink(missing_ok=True)  # a stale part of this rank must not count while we rewrite it
+        files, index = self._write(staging, items, rank=rank, world_size=world_size, shards=shards)
+        atomic_write_json(meta, {"rank": rank, "world_size": world_size, "token": token, "version": version,
+                                 "step": step, "files": files, "tensors": index})
+        if rank != 0:
+            return self.rd.snapshot(version)
+        parts = self._wait_parts(staging, version, world_size, token)
+        files, index = self._merge(parts)
+        manifest = self._manifest(version, step, files, index, world_size, model_config, extra)
+        self._commit(staging, version, manifest)
+        self._finish(version, step, manifest, t0)
+        return self.rd.snapshot(version)
+
+    def pin(self, version: int, reason: str = "") -> None:
+        """Keep ``version`` whatever retention says."""
+        retention.pin(self.rd, version, reason)
+
+    def unpin(self, version: int) -> None:
+        """Let retention delete ``version`` again."""
+        retention.unpin(self.rd, version)
+
+    def apply_retention(self) -> list[int]:
+        """Delete snapshots beyond the last ``keep_last`` that are not pinned, LATEST or leased; returns them."""
+        return retention.apply_retention(self.rd, self.keep_last)
+
+    def clean_debris(self, older_than_s: float | None = None) -> list[Path]:
+        """Remove ``.tmp-`` folders and files of killed publishes older than ``older_than_s``."""
+        age = self.debris_after_s if older_than_s is None else older_than_s
+        return remove_debris(self.rd.weights, older_than_s=age)
+
+    # ------------------------------------------------------------------ internals
+    def _check_version(self, version: int) -> None:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise SnapshotError(f"snapshot version must be a non-negative integer, got {version!r}")
+        latest = latest_version(self.rd)
+        if latest is not None and version <= latest:
+            raise SnapshotError(f"version {version} is not newer than LATEST ({latest}) in {self.rd.weights}; "
+                                f"publish {self.next_version()} or above")
+        if self.rd.snapshot(version).exists():
+            raise SnapshotError(f"{self.rd.snapshot(version)} already exists")
+
+    @staticmethod
+    def _items(state_dict: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        import torch
+
+        if not isinstance(state_dict, Mapping):
+            raise SnapshotError(f"a state dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
+        items = []
+        for name, t in state_dict.items():
+            if not isinstance(name, str) or not name or "#" in name:
+                raise SnapshotError(f"tensor names must be non-empty strings without '#', got {name!r}")
+            if not isinstance(t, torch.Tensor):
+                raise SnapshotError(f"state dict entry {name!r} is a {type(t).__name__}, not a torch.Tensor")
+            st_dtype(t)
+            items.append((name, t))
+        if not items:
+            raise SnapshotError("refusing to publish an empty state dict")
+        return items
+
+    def _split(self, items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+        groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+        size = 0
+        for key, t in items:
+            n = tensor_nbytes(t)
+            if groups[-1] and size + n > self.max_file_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append((key, t))
+            size += n
+        return groups
+
+    def _write(self, folder: Path, items: list[tuple[str, torch.Tensor]], *, rank: int, world_size: int,
+               shards: dict[str, Shard]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Write ``items`` as files in ``folder``; returns (file entries, tensor index) for the manifest."""
+        keyed = [(f"{k}#shard{rank}" if k in shards else k, t) for k, t in items]
+        groups = self._split(keyed)
+        prefix = "model-" if world_size == 1 else f"model-rank{rank:05d}-"
+        files: list[dict[str, Any]] = []
+        streams: list[int] = []
+        # sha256 runs on one thread and fsync on another while the next file is written; all three release the GIL.
+        with HashPipeline() as hasher, ThreadPoolExecutor(1, thread_name_prefix="fsync") as flusher:
+            synced = []
+            for i, group in enumerate(groups):
+                path = folder / f"{prefix}{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                tmp = tmp_name(path)
+                try:
+                    nbytes, stream = write_file(tmp, group, hasher, {"format": "pt"})
+                    os.replace(tmp, path)
+                except OSError as exc:
+                    tmp.unlink(missing_ok=True)
+                    raise RunDirError(_describe_oserror(exc, path)) from exc
+                synced.append((path, flusher.submit(_fsync, path)))
+                streams.append(stream)
+                files.append({"name": path.name, "bytes": nbytes, "tensors": [k for k, _ in group]})
+            for path, done in synced:
+                try:
+                    done.result()
+                except OSError as exc:
+                    raise RunDirError(_describe_oserror(exc, path)) from exc
+            digests = hasher.finish()
+        for entry, stream in zip(files, streams, strict=True):
+            entry["sha256"] = digests[stream]
+        file_of = {key: entry["name"] for entry in files for key in entry["tensors"]}
+        index: dict[str, Any] = {}
+        for (name, t), (key, _) in zip(items, keyed, strict=True):
+            piece: dict[str, Any] = {"file": file_of[key], "key": key}
+            shape = list(t.shape)
+            if name in shards:
+                sh = shards[name]
+                piece.update(dim=int(sh.dim), offset=int(sh.offset), shape=shape)
+                shape = [int(d) for d in sh.full_shape]
+            index[name] = {"dtype": st_dtype(t), "shape": shape, "pieces": [piece]}
+        return files, index
+
+    def _wait_parts(self, staging: Path, version: int, world_size: int, token: str) -> list[dict[str, Any]]:
+        def ready() -> list[dict[str, Any]] | None:
+            parts = []
+            for r in range(world_size):
+                try:
+                    p = read_json(_part_meta(staging, r))
+                except (FileNotFoundError, ValueError):
+                    return None
+                if p.get("token") != token or p.get("version") != version or p.get("world_size") != world_size:
+                    raise SnapshotError(f"{_part_meta(staging, r)} belongs to another publish "
+                                        f"(token {p.get('token')!r}, world_size {p.get('world_size')})")
+                parts.append(p)
+            return parts
+
+        what = f"all {world_size} ranks' parts of snapshot v{version:06d} in {staging}"
+        try:
+            return wait_for(ready, what=what, timeout_s=self.part_timeout_s, logger=log)
+        except WaitTimeout as exc:
+            missing = [r for r in range(world_size) if not _part_meta(staging, r).exists()]
+            raise WaitTimeout(f"{exc}; ranks still missing: {missing}") from exc
+
+    @staticmethod
+    def _merge(parts: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        files: list[dict[str, Any]] = []
+        index: dict[str, Any] = {}
+        for part in parts:
+            files.extend(part["files"])
+            for name, entry in part["tensors"].items():
+                if name not in index:
+                    index[name] = {**entry, "pieces": list(entry["pieces"])}
+                    continue
+                have = index[name]
+                sharded = "dim" in entry["pieces"][0] and "dim" in have["pieces"][0]
+                if not sharded:
+                    raise SnapshotError(f"tensor {name!r} is published whole by more than one rank")
+                if have["dtype"] != entry["dtype"] or have["shape"] != entry["shape"]:
+                    raise SnapshotError(f"tensor {name!r}: ranks disagree on dtype/full shape "
+                                        f"({have['dtype']} {have['shape']} vs {entry['dtype']} {entry['shape']})")
+                have["pieces"].extend(entry["pieces"])
+        for name, entry in index.items():
+            check_pieces(name, entry)
+        return files, index
+
+    def _manifest(self, version: int, step: int, files: list[dict[str, Any]], tensors: dict[str, Any],
+                  world_size: int, model_config: Mapping[str, Any] | None,
+                  extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        by_dtype: dict[str, int] = {}
+        for entry in tensors.values():
+            n = 1
+            for d in entry["shape"]:
+                n *= d
+            by_dtype[entry["dtype"]] = by_dtype.get(entry["dtype"], 0) + n
+        if model_config is not None and not isinstance(model_config, Mapping) and hasattr(model_config, "to_dict"):
+            model_config = model_config.to_dict()
+        return {"format": FORMAT, "protocol": PROTOCOL, "version": version, "step": step, "time": time.time(),
+                "dtype": max(by_dtype, key=lambda k: by_dtype[k]), "dtypes": sorted(by_dtype),
+                "world_size": world_size, "total_bytes": sum(f["bytes"] for f in files), "files": files,
+                "tensors": tensors, "model_config": dict(model_config or {}), "extra": dict(extra or {}),
+                "writer": {"host": socket.gethostname(), "pid": os.getpid()}}
+
+    def _commit(self, staging: Path, version: int, manifest: dict[str, Any]) -> None:
+        final = self.rd.snapshot(version)
+        atomic_write_json(staging / MANIFEST, manifest)
+        atomic_write_text(staging / COMPLETE_MARKER, str(version))
+        fsync_dir(staging)
+        if final.exists():
+            raise SnapshotError(f"cannot publish {final}: it already exists")
+        try:
+            os.rename(staging, final)
+        except OSError as exc:
+            raise RunDirError(_describe_oserror(exc, final)) from exc
+        fsync_dir(final.parent)
+
+    def _finish(self, version: int, step: int, manifest: dict[str, Any], t0: float) -> None:
+        current = latest_version(self.rd)
+        if current is None or version > current:
+            write_latest(self.rd, version, step, manifest["time"])
+        seconds = time.monotonic() - t0
+        gb = manifest["total_bytes"] / 1e9
+        log.info("published snapshot v%06d (step %d, %.2f GB in %.1fs)", version, step, gb, seconds)
+        if self.events is not None:
+            self.events.event("snapshot_published", f"weights v{version:06d}", step=step, version=version,
+                              bytes=manifest["total_bytes"], seconds=round(seconds, 3),
+                              gb_per_s=round(gb / max(seconds, 1e-9), 3))
+        try:
+            self.apply_retention()
+            self.clean_debris()
+        except (OSError, SnapshotError) as exc:  # the snapshot is published; housekeeping can wait for next time
+            log.warning("snapshot housekeeping in %s failed: %s", self.rd.weights, exc)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,242 @@
+"""Weight snapshots in one process: round trips, splitting, parts and shards, verification, retention, leases."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relax_hpc.errors import RunDirError, SnapshotError, WaitTimeout
+from relax_hpc.fsio import TMP_PREFIX
+from relax_hpc.rundir import RunDir
+from relax_hpc.weights import (
+    Shard,
+    SnapshotPublisher,
+    SnapshotReader,
+    complete_versions,
+    latest_version,
+    live_leases,
+    pinned_versions,
+)
+from relax_hpc.weights.retention import take_lease
+
+
+@pytest.fixture
+def rd(tmp_path):
+    return RunDir.create(tmp_path / "run")
+
+
+def state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "layer.0.w": torch.randn(32, 32, generator=g),
+        "layer.0.norm": torch.randn(32, generator=g).to(torch.float16),
+        "layer.0.bias": torch.randn(5, generator=g).double(),
+        "counter": torch.tensor(seed, dtype=torch.int64),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "ids": torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8),
+        "fp8": torch.randn(16, generator=g).to(torch.float8_e4m3fn),
+        "empty": torch.zeros(0, 4),
+        "lm_head.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+    }
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)), k
+
+
+def test_round_trip_all_dtypes_and_split(rd):
+    sd = state(1)
+    pub = SnapshotPublisher(rd, max_file_bytes=3000)
+    folder = pub.publish(sd, version=1, step=7, model_config={"hidden_size": 32}, extra={"note": "x"})
+    assert folder == rd.snapshot(1) and (folder / "COMPLETE").is_file()
+    files = sorted(folder.glob("*.safetensors"))
+    assert len(files) >= 3  # 4 KB embed and lm_head cannot share a 3000-byte file
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["version"] == 1 and manifest["step"] == 7 and manifest["dtype"] == "BF16"
+    assert manifest["model_config"] == {"hidden_size": 32} and manifest["extra"] == {"note": "x"}
+    assert {f["name"] for f in manifest["files"]} == {f.name for f in files}
+    assert all(len(f["sha256"]) == 64 and f["bytes"] == (folder / f["name"]).stat().st_size for f in manifest["files"])
+    # the files are standard safetensors
+    from_lib = {}
+    for f in files:
+        from_lib.update(load_file(f))
+    assert_same(from_lib, sd)
+    assert latest_version(rd) == 1 and latest_version(rd.root) == 1
+    version, loaded, m = SnapshotReader(rd).load()
+    assert version == 1 and m["step"] == 7
+    assert_same(loaded, sd)
+
+
+def test_poll_and_load_into_module_in_place(rd):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
+    target = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    reader = SnapshotReader(rd, name="rollout-3")
+    assert reader.poll() is None
+    pub = SnapshotPublisher(rd)
+    pub.publish(target, 1, 1)
+    assert reader.poll() == 1
+    weight_before = model[0].weight
+    assert reader.load_into(model) == 1
+    assert model[0].weight is weight_before  # updated in place, same parameter object
+    assert_same(model.state_dict(), target)
+    assert reader.poll() is None  # nothing newer than what it loaded
+    pub.publish({k: v * 2 for k, v in target.items()}, 2, 2)
+    assert reader.poll() == 2
+    as_dict = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in target.items()}  # dtype converted by copy_
+    assert reader.load_into(as_dict) == 2
+    assert torch.equal(as_dict["0.weight"], (target["0.weight"] * 2).float())
+
+
+def test_load_into_mismatch_leaves_model_unchanged(rd):
+    SnapshotPublisher(rd).publish({"0.weight": torch.ones(4, 8), "0.bias": torch.ones(4)}, 1, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(SnapshotError, match=r"missing \['1.bias', '1.weight'\]"):
+        SnapshotReader(rd).load_into(model)
+    small = torch.nn.Linear(8, 3)
+    with pytest.raises(SnapshotError, match="0.weight"):
+        SnapshotReader(rd).load_into({"0.weight": small.weight.data, "0.bias": small.bias.data})
+    assert_same(model.state_dict(), before)
+
+
+def test_parts_and_shards_from_several_ranks(rd):
+    full = torch.randn(10, 6).to(torch.bfloat16)
+    col = torch.randn(4, 9)
+    rows = [(0, 3), (3, 7), (7, 10)]
+    pub = SnapshotPublisher(rd, max_file_bytes=100, part_timeout_s=5)
+    for rank in (2, 1, 0):  # the leader (rank 0) commits once every part is there
+        a, b = rows[rank]
+        part = {"w": full[a:b], "c": col[:, rank * 3:(rank + 1) * 3], f"only.{rank}": torch.full((3,), float(rank))}
+        shards = {"w": Shard(0, a, (10, 6)), "c": Shard(1, rank * 3, (4, 9))}
+        out = pub.publish_part(part, version=5, step=50, rank=rank, world_size=3, shards=shards, token="job1")
+        assert out == rd.snapshot(5)
+        assert (latest_version(rd) == 5) == (rank == 0)
+    version, sd, m = SnapshotReader(rd).load()
+    assert version == 5 and m["world_size"] == 3
+    assert sorted(sd) == ["c", "only.0", "only.1", "only.2", "w"]
+    assert torch.equal(sd["w"], full) and torch.equal(sd["c"], col)
+    assert torch.equal(sd["only.2"], torch.full((3,), 2.0))
+    assert not any(p.name.startswith(TMP_PREFIX) for p in rd.weights.iterdir())
+
+
+def test_parts_that_do_not_fit_are_refused_before_publishing(rd):
+    pub = SnapshotPublisher(rd, part_timeout_s=5)
+    pub.publish_part({"w": torch.ones(2, 2)}, version=1, step=1, rank=1, world_size=2, token="a",
+                     shards={"w": Shard(0, 3, (5, 2))})
+    with pytest.raises(SnapshotError, match="gap or overlap at 2"):
+        pub.publish_part({"w": torch.ones(2, 2)}, version=1, step=1, rank=0, world_size=2, token="a",
+                         shards={"w": Shard(0, 0, (5, 2))})
+    pub.publish_part({"x": torch.ones(2)}, version=2, step=1, rank=1, world_size=2, token="a")
+    with pytest.raises(SnapshotError, match="'x' is published whole by more than one rank"):
+        pub.publish_part({"x": torch.ones(2)}, version=2, step=1, rank=0, world_size=2, token="a")
+    assert latest_version(rd) is None and complete_versions(rd) == []
+
+
+def test_leader_times_out_naming_missing_ranks(rd):
+    pub = SnapshotPublisher(rd, part_timeout_s=0.3)
+    pub.publish_part({"x": torch.ones(2)}, version=1, step=1, rank=2, world_size=4, token="t")
+    t0 = time.monotonic()
+    with pytest.raises(WaitTimeout, match=r"ranks still missing: \[1, 3\]"):
+        pub.publish_part({"y": torch.ones(2)}, version=1, step=1, rank=0, world_size=4, token="t")
+    assert time.monotonic() - t0 < 5
+    assert latest_version(rd) is None
+
+
+def test_bit_flip_is_detected_by_sha256_and_truncation_by_size(rd):
+    sd = state(2)
+    SnapshotPublisher(rd, max_file_bytes=2000).publish(sd, 1, 1)
+    victim = sorted(rd.snapshot(1).glob("*.safetensors"))[-1]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x10
+    victim.write_bytes(bytes(data))
+    model = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with pytest.raises(SnapshotError, match=f"{victim.name}: sha256 .* does not match"):
+        SnapshotReader(rd).load_into(model)
+    assert all(not v.any() for k, v in model.items() if v.dtype != torch.float8_e4m3fn)  # untouched
+    SnapshotReader(rd).load(verify="size")  # a flipped bit with the right size passes a size-only check
+    victim.write_bytes(bytes(data[:-1]))
+    with pytest.raises(SnapshotError, match=f"{victim.name} has .* bytes, the manifest says"):
+        SnapshotReader(rd).load(verify="size")
+
+
+def test_bad_manifest_and_missing_snapshot_name_the_file(rd):
+    reader = SnapshotReader(rd)
+    with pytest.raises(SnapshotError, match="no complete weight snapshot"):
+        reader.load()
+    SnapshotPublisher(rd).publish({"x": torch.ones(3)}, 1, 1)
+    manifest = rd.snapshot(1) / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["files"][0]["sha256"] = "nope"
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(SnapshotError, match=r"manifest.json: files\[0\].sha256 must be 64 hex digits"):
+        reader.load()
+    manifest.write_text("{not json")
+    with pytest.raises(SnapshotError, match="cannot read .*manifest.json"):
+        reader.load()
+    with pytest.raises(SnapshotError, match="v000009"):
+        reader.load(9)
+
+
+def test_bad_inputs(rd, tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(RunDirError, match="not a relax-hpc run dir"):
+        SnapshotPublisher(plain)
+    with pytest.raises(RunDirError, match="not a relax-hpc run dir"):
+        SnapshotReader(plain)
+    pub = SnapshotPublisher(rd)
+    with pytest.raises(SnapshotError, match="'x' is a list"):
+        pub.publish({"x": [1, 2]}, 1, 1)
+    with pytest.raises(SnapshotError, match="empty state dict"):
+        pub.publish({}, 1, 1)
+    pub.publish({"x": torch.ones(1)}, 3, 1)
+    with pytest.raises(SnapshotError, match=r"version 2 is not newer than LATEST \(3\).*publish 4"):
+        pub.publish({"x": torch.ones(1)}, 2, 1)
+    with pytest.raises(ValueError, match="reader name"):
+        SnapshotReader(rd, name="../evil")
+
+
+def test_retention_keeps_last_k_pinned_and_leased(rd):
+    pub = SnapshotPublisher(rd, keep_last=2)
+    for v in range(1, 4):
+        pub.publish({"x": torch.full((4,), float(v))}, v, v)
+    assert complete_versions(rd) == [2, 3]
+    pub.pin(2, "eval baseline")
+    take_lease(rd, "rollout-7", 3, lease_s=60)
+    take_lease(rd, "rollout-8", 1, lease_s=-1)  # expired: ignored
+    assert live_leases(rd) == {3: ["rollout-7"]}
+    for v in range(4, 7):
+        pub.publish({"x": torch.full((4,), float(v))}, v, v)
+    assert complete_versions(rd) == [2, 3, 5, 6]  # 2 pinned, 3 leased, 5-6 the last two
+    pub.unpin(2)
+    (rd.weight_lease("rollout-7")).unlink()
+    assert pub.apply_retention() == [2, 3]
+    assert complete_versions(rd) == [5, 6] and pinned_versions(rd) == set()
+    _, sd, _ = SnapshotReader(rd).load()
+    assert torch.equal(sd["x"], torch.full((4,), 6.0))
+
+
+def test_reader_falls_back_when_latest_is_gone_and_debris_is_cleaned(rd):
+    pub = SnapshotPublisher(rd, keep_last=5)
+    pub.publish({"x": torch.ones(2)}, 1, 1)
+    pub.publish({"x": torch.ones(2) * 2}, 2, 2)
+    (rd.weights / f"{TMP_PREFIX}v000003.host.1.2").mkdir()
+    (rd.weights / f"{TMP_PREFIX}LATEST.host.1.2").write_text("{")
+    import shutil
+
+    shutil.rmtree(rd.snapshot(2))  # deleted by hand behind LATEST's back
+    version, sd, _ = SnapshotReader(rd).load()
+    assert version == 1 and torch.equal(sd["x"], torch.ones(2))
+    assert pub.clean_debris(older_than_s=3600) == []
+    assert len(pub.clean_debris(older_than_s=0)) == 2
+    assert not any(p.name.startswith(TMP_PREFIX) for p in rd.weights.iterdir())
+    assert pub.next_version() == 3
