@@ -35,6 +35,17 @@ def _log_to_file(run_dir: RunDir, proc: str) -> None:
     root.setLevel(logging.INFO)
 
 
+def _set_threads(cfg, role: str) -> None:  # noqa: ANN001
+    """Intra-op threads = the role's CPUs (oversubscribed OpenMP threads spin and slow everything down)."""
+    import os
+
+    import torch
+
+    res = cfg.launch.trainer if role in ("trainer", "colocate") else cfg.launch.rollout
+    n = int(os.environ.get("OMP_NUM_THREADS") or res.cpus_per_task)
+    torch.set_num_threads(max(1, n))
+
+
 def run_role(run_dir_path: str | Path, role: str, rank: int) -> int:
     """Run ``role`` rank ``rank`` of the run in ``run_dir_path``. Returns the process exit code."""
     from relax_hpc.errors import UserError
@@ -45,6 +56,7 @@ def run_role(run_dir_path: str | Path, role: str, rank: int) -> int:
     proc = proc_name(role, rank)
     _log_to_file(run_dir, proc)
     cfg = load_run_config(run_dir)
+    _set_threads(cfg, role)
     try:
         if role == "colocate":
             from relax_hpc.modes.colocate import run_colocate

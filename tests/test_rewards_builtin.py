@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +35,7 @@ def test_exact_match_strips_and_optionally_ignores_case():
         (r"\boxed{hello}", "hello", 1.0),  # math-verify cannot parse it: exact-match fallback
         (r"\boxed{hello}", "world", 0.0),
         ("no answer at all", "7", 0.0),
+        ("blah 3. " * 2000 + "So the answer is 7.", "7", 1.0),  # only the tail of a long response is parsed
         (r"cut off \boxed{4", "4", 0.0),
     ],
 )
@@ -81,3 +85,28 @@ def test_format_check_default_and_custom_pattern():
 )
 def test_digits_positional(response, answer, expected):
     assert digits_positional(response, answer) == pytest.approx(expected)
+
+
+def test_math_answer_is_offline_and_spawns_nothing():
+    """In a fresh interpreter where sockets, subprocesses and forks raise, importing and using math-verify works."""
+    import subprocess
+    import sys
+
+    script = textwrap.dedent(r"""
+        import os, socket, subprocess, multiprocessing
+        def refuse(*a, **k):
+            raise AssertionError("math reward tried to use the network or spawn a process")
+        socket.socket.connect = socket.socket.connect_ex = refuse
+        socket.create_connection = socket.getaddrinfo = refuse
+        subprocess.Popen.__init__ = refuse
+        os.fork = refuse
+        multiprocessing.Process.start = refuse
+        from relax_hpc.rewards.builtin import math_answer
+        assert math_answer(r"\boxed{\frac{1}{2}}", "0.5") == 1.0
+        assert math_answer("the answer is 3", "4") == 0.0
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok")

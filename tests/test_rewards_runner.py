@@ -112,6 +112,12 @@ def test_async_inside_a_running_event_loop():
     np.testing.assert_array_equal(asyncio.run(main()).rewards, [1.0, 0.0])
 
 
+def test_empty_batch():
+    for name in ("sync_single", "async_single", "async_batched"):
+        res = runner(name).score([], [])
+        assert res.rewards.shape == (0,) and res.counts["reward/samples"] == 0
+
+
 def test_batched_sync_and_async():
     np.testing.assert_array_equal(runner("sync_batched").score(["a", "b", "c"], ["a", "x", "c"]).rewards, [1, 0, 1])
     np.testing.assert_allclose(runner("async_batched").score(["ab", "abcd"], [None, None]).rewards, [0.2, 0.4])
@@ -146,14 +152,14 @@ def test_raising_and_nonfinite_rewards_are_counted_not_fatal(on_error):
     res = runner("flaky", on_error=on_error).score(responses, [None] * 8)
     np.testing.assert_array_equal(res.failed, [False, True, True, True, True, False, False, False])
     np.testing.assert_array_equal(res.rewards, [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0])  # always finite
-    assert res.counts["reward/errors"] == 4
+    assert res.counts["reward/errors"] == res.num_errors == 4
     assert "RuntimeError: boom" in res.reasons[1] and "nan" in res.reasons[2] and "str" in res.reasons[4]
     assert res.reasons[0] is None
     if on_error == "drop":
-        np.testing.assert_array_equal(res.drop, res.failed)
+        np.testing.assert_array_equal(res.dropped, res.failed)
         np.testing.assert_array_equal(res.group_drop_mask(2), [True, True, True, False])
     else:
-        assert not res.drop.any() and not res.group_drop_mask(4).any()
+        assert not res.dropped.any() and not res.group_drop_mask(4).any()
 
 
 def test_async_timeout_fails_only_the_slow_samples():
@@ -166,7 +172,7 @@ def test_async_timeout_fails_only_the_slow_samples():
 
 def test_batched_wrong_length_fails_every_sample():
     res = runner("wrong_length", on_error="drop").score(["a", "b"], [1, 2])
-    assert res.failed.all() and res.drop.all() and "1 values for 2" in res.reasons[0]
+    assert res.failed.all() and res.dropped.all() and "1 values for 2" in res.reasons[0]
 
 
 def test_sync_function_returning_a_coroutine_is_an_error():

@@ -64,6 +64,7 @@ elif role == "writer":
     while time.monotonic() < end:
         v = pub.next_version()
         pub.publish(model(v), v, v)
+    pub.wait_housekeeping()
     print("published", v, flush=True)
 elif role == "reader":
     reader = SnapshotReader(run, name="rollout-1")
@@ -118,10 +119,10 @@ def test_publisher_killed_mid_write_never_breaks_latest(tmp_path):
     rd = RunDir.create(tmp_path / "run")
     spawner = child("spawner", str(rd.root))
     rng = random.Random(1234)
+    debris: set[str] = set()
     debris_trials = 0
-    trials = 20
     try:
-        for trial in range(trials):
+        for trial in range(20):
             spawner.stdin.write("go\n")
             spawner.stdin.flush()
             pid = int(spawner.stdout.readline())
@@ -129,7 +130,9 @@ def test_publisher_killed_mid_write_never_breaks_latest(tmp_path):
             time.sleep(2.0 if trial == 0 else rng.uniform(0.0, 0.15))
             os.kill(pid, signal.SIGKILL)
             assert spawner.stdout.readline().startswith("reaped")
-            debris_trials += any(p.name.startswith(TMP_PREFIX) for p in rd.weights.iterdir())
+            now = {p.name for p in rd.weights.iterdir() if p.name.startswith(TMP_PREFIX)}
+            debris_trials += bool(now - debris)  # this kill left a half-written publish behind
+            debris |= now
             latest = latest_version(rd)
             assert latest is not None, "the first publish did not finish in 2 s"
             version, sd, _ = SnapshotReader(rd, name="checker").load(verify="sha256")
@@ -142,7 +145,6 @@ def test_publisher_killed_mid_write_never_breaks_latest(tmp_path):
         if spawner.poll() is None:
             os.kill(spawner.pid, signal.SIGKILL)
             spawner.wait()
-    print("trials with debris:", debris_trials)
     assert debris_trials >= 3, "kills never landed inside a publish: the test did not test anything"
     pub = SnapshotPublisher(rd, keep_last=2)
     assert pub.clean_debris(older_than_s=0)
@@ -160,7 +162,6 @@ def test_reader_never_sees_a_partial_snapshot(tmp_path):
     out_w, out_r = finish([writer, reader])
     published = int(out_w.split()[-1])
     loaded = int(out_r.split()[-1])
-    print("published", published, "loaded", loaded)
     assert published >= 10, out_w
     assert loaded >= 3, out_r  # it loaded several different versions while they were being published and deleted
     assert len(complete_versions(rd)) <= 3

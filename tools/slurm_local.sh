@@ -30,7 +30,7 @@
 #   * editing slurm.conf while daemons run makes nodes disagree with slurmctld: a changed config restarts all.
 set -euo pipefail
 
-D=${SLURM_LOCAL_DIR:-/tmp/relax-slurm}
+D=${SLURM_LOCAL_DIR:-${RELAX_SLURM_DIR:-/tmp/relax-slurm}}
 NODES=${SLURM_NODES:-4}
 CPUS=${SLURM_CPUS:-4}
 ACCT=${SLURM_ACCOUNTING:-1}

@@ -8,7 +8,7 @@ Generates a run dir (64 roles, 100k metric lines by default) with the real :clas
   the rich rendering separately,
 * the CPU time of the live loop (``--interval``) over an idle period (``--idle-s``), nothing being written.
 
-``python -m relax_hpc.bench.monitor [--json]`` or ``relax-hpc bench monitor``.
+``python -m relax_hpc.bench.monitor [--json]``; ``main(argv)`` is what a bench command calls.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _trainer_metrics(step: int, rng: random.Random) -> dict[str, float]:
             "train/grad_norm": 0.5 + rng.random(), "rollout/response_length": 180 + rng.gauss(0, 10),
             "perf/samples_per_s": 60 + rng.gauss(0, 3), "perf/tokens_per_s": 11000 + rng.gauss(0, 500),
             "perf/step_time": 2.1 + rng.random() * 0.2, "perf/train_idle_fraction": 0.1 + rng.random() * 0.05,
-            "perf/rollout_idle_fraction": 0.05 + rng.random() * 0.05, "rollout/staleness_mean": 0.6 + rng.random() * 0.4,
+            "perf/rollout_idle_fraction": 0.05 + rng.random() * 0.05,
+            "rollout/staleness_mean": 0.6 + rng.random() * 0.4,
             "store/backlog_samples": 256 + rng.randrange(64), "weights/version": step}
 
 
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lines", type=int, default=100_000, help="metric lines written before the first read")
     p.add_argument("--rounds", type=int, default=20, help="append + refresh rounds measured")
     p.add_argument("--idle-s", type=float, default=10.0, help="idle period of the live loop measured for CPU")
-    p.add_argument("--interval", type=float, default=1.0, help="refresh period of the live loop")
+    p.add_argument("--interval", type=float, default=2.0, help="refresh period of the live loop (the CLI default)")
     p.add_argument("--dir", type=Path, default=None, help="where to build the run (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)

@@ -94,7 +94,7 @@ def raw_read(path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def run(folder: Path, gb: float, repeat: int) -> dict[str, Any]:
+def run(folder: Path, gb: float, repeat: int, device: str = "cpu", max_file_mb: int = 2048) -> dict[str, Any]:
     """Measure everything in a fresh temporary folder under ``folder``; returns the figures."""
     from relax_hpc.rundir import RunDir
     from relax_hpc.weights import SnapshotPublisher, SnapshotReader
@@ -106,7 +106,7 @@ def run(folder: Path, gb: float, repeat: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read", "publish", "load", "load_size")}
     try:
         rd = RunDir.create(work / "run")
-        pub = SnapshotPublisher(rd, keep_last=1)
+        pub = SnapshotPublisher(rd, keep_last=1, max_file_bytes=max_file_mb << 20)
         reader = SnapshotReader(rd, name="bench")
         raw = work / "raw.bin"
         for i in range(repeat):
@@ -121,14 +121,16 @@ def run(folder: Path, gb: float, repeat: int) -> dict[str, Any]:
                 for f in snap.glob("*.safetensors"):
                     drop_cache(f)
                 t0 = time.perf_counter()
-                loaded = reader.load(i + 1, verify=level)  # type: ignore[arg-type]
+                loaded = reader.load(i + 1, device=device, verify=level)  # type: ignore[arg-type]
                 times[key].append(time.perf_counter() - t0)
                 del loaded
+        pub.wait_housekeeping()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rate = {k: nbytes / 1e9 / statistics.median(v) for k, v in times.items()}
     return {
-        "gb": round(nbytes / 1e9, 3), "tensors": len(sd), "repeat": repeat, "dir": str(folder),
+        "gb": round(nbytes / 1e9, 3), "tensors": len(sd), "repeat": repeat, "dir": str(folder), "device": device,
+        "max_file_mb": max_file_mb,
         "raw_write_gb_per_s": round(rate["raw_write"], 3), "raw_read_gb_per_s": round(rate["raw_read"], 3),
         "publish_gb_per_s": round(rate["publish"], 3), "load_gb_per_s": round(rate["load"], 3),
         "load_size_only_gb_per_s": round(rate["load_size"], 3),
@@ -147,13 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=Path("."), help="folder to measure (a temporary subfolder is used)")
     ap.add_argument("--gb", type=float, default=1.0, help="size of the state dict in GB (default 1.0)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each figure is the median (default 3)")
+    ap.add_argument("--device", default="cpu", help="where loaded tensors go (cpu, cuda); raw reads stay in memory")
+    ap.add_argument("--max-file-mb", type=int, default=2048, help="snapshot file size limit (default 2048)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     if not args.dir.is_dir():
         ap.error(f"--dir {args.dir} is not a folder")
     if args.gb <= 0 or args.repeat < 1:
         ap.error("--gb must be positive and --repeat at least 1")
-    res = run(args.dir.absolute(), args.gb, args.repeat)
+    res = run(args.dir.absolute(), args.gb, args.repeat, args.device, args.max_file_mb)
     if args.json:
         print(json.dumps(res))
         return 0

@@ -76,8 +76,8 @@ class DataConfig(Section):
     """Where prompts come from."""
 
     path: str | None = None
-    """JSONL or Parquet file (or a folder of them, read with HF ``datasets``). Relative paths are resolved against the
-    recipe's folder. ``None`` uses ``task``."""
+    """JSONL, JSON or Parquet file, a folder of them, or a folder saved by HF ``datasets`` (``save_to_disk``). Relative
+    paths are resolved against the recipe's folder. ``None`` uses ``task``."""
     task: TaskConfig | None = None
     """Built-in synthetic task, used when ``path`` is not set."""
     prompt_key: str = "prompt"
@@ -196,7 +196,7 @@ class AlgorithmConfig(Section):
     """KL estimator: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r, with r = pi_ref / pi."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (subtracted from the loss)."""
-    tis_cap: float | None = 2.0
+    tis_cap: float | None = Field(2.0, ge=1.0)
     """Truncated importance sampling against the rollout policy's log-probs: weight min(pi_old/pi_rollout, cap).
     ``None`` disables the correction."""
     proximal: bool = False

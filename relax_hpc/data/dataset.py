@@ -5,7 +5,8 @@ a generation prompt (``chat_template: true``; ``system_prompt`` first), or as ra
 and/or ``audios`` (see :mod:`relax_hpc.data.messages` for the placeholders); their placeholder tokens are expanded
 to the model's count at load time, so lengths are exact, and their tensors are made when a prompt is taken.
 Prompts longer than ``max_prompt_tokens`` are skipped and counted (one warning). ``meta`` holds the row's other
-fields plus ``index`` (position in the dataset) and ``source`` (``file:line`` or ``task``).
+fields plus ``index`` (position in the dataset) and ``source`` (``file:line`` or ``task``). ``prompt_key`` and
+``answer_key`` may be dotted paths into nested fields (``reward_model.ground_truth``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ class _Record:
     audios: list[MediaRef]
     counts: tuple[list[int], list[int]] = ([], [])
     """Placeholder tokens per image and per audio."""
+
+
+def _field(row: Row, key: str, setting: str) -> Any:
+    """``row[key]``; a dotted key (``reward_model.ground_truth``) that is not a field itself walks nested dicts."""
+    if key in row.fields:
+        return row.fields[key]
+    node: Any = row.fields
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise UserError(f"{row.origin}: no field {key!r} ({setting}); fields: {sorted(row.fields)}")
+        node = node[part]
+    return node
 
 
 class PromptDataset:
@@ -136,19 +149,15 @@ class PromptDataset:
     def _tokenize(self, rows: list[Row]) -> list[_Record]:
         cfg = self.cfg
         recs = []
+        prompts = []
         for row in rows:
-            if cfg.prompt_key not in row.fields:
-                raise UserError(f"{row.origin}: no field {cfg.prompt_key!r} (data.prompt_key); "
-                                f"fields: {sorted(row.fields)}")
-            if cfg.answer_key not in row.fields:
-                raise UserError(f"{row.origin}: no field {cfg.answer_key!r} (data.answer_key); "
-                                f"fields: {sorted(row.fields)}")
+            prompts.append(_field(row, cfg.prompt_key, "data.prompt_key"))
+            answer = _field(row, cfg.answer_key, "data.answer_key")
             skip = {cfg.prompt_key, cfg.answer_key, *MEDIA_KEYS.values()}
             meta = {k: v for k, v in row.fields.items() if k not in skip}
             meta["source"] = row.origin
-            recs.append(_Record([], row.fields[cfg.answer_key], meta, self._media(row, "image"),
-                                self._media(row, "audio")))
-        texts = [self._render(row, rec) for row, rec in zip(rows, recs, strict=True)]
+            recs.append(_Record([], answer, meta, self._media(row, "image"), self._media(row, "audio")))
+        texts = [self._render(p, row, rec) for p, row, rec in zip(prompts, rows, recs, strict=True)]
         for row, rec, ids in zip(rows, recs, self._encode(rows, texts), strict=True):
             if rec.images or rec.audios:
                 rec.counts = (self._counts(rec.images, "image"), self._counts(rec.audios, "audio"))
@@ -156,9 +165,8 @@ class PromptDataset:
             rec.ids = ids
         return recs
 
-    def _render(self, row: Row, rec: _Record) -> Any:
+    def _render(self, prompt: Any, row: Row, rec: _Record) -> Any:
         cfg = self.cfg
-        prompt = row.fields[cfg.prompt_key]
         if cfg.chat_template:
             return build_messages(prompt, system_prompt=cfg.system_prompt, num_images=len(rec.images),
                                   num_audios=len(rec.audios), origin=row.origin, key=cfg.prompt_key)

@@ -129,7 +129,7 @@ def load_audio(ref: MediaRef, sampling_rate: int) -> np.ndarray:
         g = gcd(rate, sampling_rate)
         return resample_poly(mono, sampling_rate // g, rate // g).astype(np.float32)
     except ImportError:
-        n = int(round(mono.size * sampling_rate / rate))
+        n = round(mono.size * sampling_rate / rate)
         return np.interp(np.arange(n) * (rate / sampling_rate), np.arange(mono.size), mono).astype(np.float32)
 
 

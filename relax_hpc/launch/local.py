@@ -39,12 +39,14 @@ def role_plan(cfg: RecipeConfig) -> list[tuple[str, int]]:
         [("rollout", r) for r in range(cfg.rollout.num_workers)]
 
 
-def start_role(run_dir: RunDir, cfg: RecipeConfig, role: str, rank: int) -> LocalProc:
-    """Start one role process (``python -m relax_hpc role ...``)."""
+def start_role(run_dir: RunDir, cfg: RecipeConfig, role: str, rank: int, *, num_procs: int = 1) -> LocalProc:
+    """Start one role process (``python -m relax_hpc role ...``). Threads per process are the role's
+    ``cpus_per_task``, capped so that ``num_procs`` processes together do not oversubscribe this machine."""
     env = dict(os.environ)
     res = cfg.launch.trainer if role in ("trainer", "colocate") else cfg.launch.rollout
     env.update(res.env)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, res.cpus_per_task)))
+    fair = max(1, (os.cpu_count() or 1) // max(1, num_procs))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, min(res.cpus_per_task, fair))))
     env["PYTHONUNBUFFERED"] = "1"
     log = run_dir.text_log(proc_name(role, rank)).with_suffix(".out")
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +69,8 @@ def record(run_dir: RunDir, procs: list[LocalProc], *, append: bool = False) -> 
 
 def launch(run_dir: RunDir, cfg: RecipeConfig) -> list[LocalProc]:
     """Start every role of the run as a local process and record them."""
-    procs = [start_role(run_dir, cfg, role, rank) for role, rank in role_plan(cfg)]
+    plan = role_plan(cfg)
+    procs = [start_role(run_dir, cfg, role, rank, num_procs=len(plan)) for role, rank in plan]
     record(run_dir, procs)
     return procs
 

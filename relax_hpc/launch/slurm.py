@@ -35,7 +35,7 @@ from relax_hpc.rundir import RunDir, proc_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch", "read_launch_record", "request_drain", "slurm_available", "submit_scripts"]
+__all__ = ["launch", "read_launch_record", "request_drain", "run_finished", "slurm_available", "submit_scripts"]
 
 
 def require_slurm() -> None:
@@ -116,7 +116,11 @@ def launch(run_dir: RunDir | Path | str, cfg: RecipeConfig, *, dry_run: bool = F
     for w in warnings:
         log.warning("%s", w)
     if dry_run:
-        return {"executor": "slurm", "dry_run": True, "warnings": warnings,
+        for s in scripts:
+            if rd.slurm.is_dir():  # `submit --dry-run` made the run dir: leave the scripts there, ready for sbatch
+                atomic_write_text(rd.slurm_script(s.name), s.text)
+            print(f"# ---- {rd.slurm_script(s.name)} ({s.kind}; not submitted)\n{s.text}", end="")
+        return {"executor": "slurm", "dry_run": True, "warnings": warnings, "jobs": [],
                 "scripts": [{"name": s.name, "kind": s.kind, "roles": list(s.roles),
                              "path": str(rd.slurm_script(s.name)), "text": s.text} for s in scripts]}
     require_slurm()
@@ -136,3 +140,23 @@ def launch(run_dir: RunDir | Path | str, cfg: RecipeConfig, *, dry_run: bool = F
               "submitted": time.time(), "jobs": entries, "retired": [], "history": history, "warnings": warnings}
     write_launch_record(rd, record)
     return record
+
+
+def run_finished(run_dir: RunDir | Path | str) -> bool | None:
+    """None while the run is going on; then True if it completed (``STATUS.json``), False otherwise.
+
+    A completed trainer ends the run even while rollout jobs are still winding down; otherwise the run is over
+    when none of its recorded jobs is active (pending, running, requeued ...) any more.
+    """
+    rd = as_run_dir(run_dir)
+    final = read_json(rd.status_file, default=None)
+    if isinstance(final, dict) and final.get("state") == "completed":
+        return True
+    rec = read_launch_record(rd)
+    ids = [e["job_id"] for e in rec.get("jobs", [])]
+    if ids:
+        q = slurm_cli.query_jobs(ids, use_sacct=False)
+        if any(r.active for j in ids for r in q.of(j)):
+            return None
+    final = read_json(rd.status_file, default=None)
+    return isinstance(final, dict) and final.get("state") == "completed"

@@ -71,10 +71,9 @@ def build_algorithm(cfg: RecipeConfig) -> Any:
 
 
 def build_prompt_stream(cfg: RecipeConfig, tokenizer: Any, *, seed_offset: int = 0) -> Any:
-    from relax_hpc.data import PromptDataset
+    from relax_hpc.data import PromptDataset, make_stream
 
-    ds = PromptDataset(cfg.data, tokenizer, seed=cfg.seed + seed_offset)
-    return ds.stream()
+    return make_stream(PromptDataset(cfg.data, tokenizer, seed=cfg.seed + seed_offset))
 
 
 def build_reward_runner(cfg: RecipeConfig) -> Any:

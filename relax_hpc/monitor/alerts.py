@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,7 @@ class AlertWatcher:
                     self.monitor_cfg = MonitorConfig.model_validate(cfg.get("monitor") or {})
             except (OSError, ValueError) as exc:
                 log.warning("cannot read monitor settings from %s: %s", self.rd.config, exc)
-        return self.monitor_cfg or MonitorConfig()
+        return self.monitor_cfg or MonitorConfig.model_validate({})
 
     def check(self, snap: dict[str, Any], *, now: float | None = None) -> list[Alert]:
         """Fire the alerts of ``snap`` that have not fired yet (here or in the event logs); return them."""
@@ -122,6 +123,14 @@ class AlertWatcher:
         urls = self._cfg().alert_urls
         if not urls:
             return
+        with warnings.catch_warnings():  # apprise imports the deprecated imghdr module on first use
+            warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                self._send(urls, alert, snap)
+            except ImportError:
+                log.warning("monitor.alert_urls is set but apprise is not installed (pip install apprise)")
+
+    def _send(self, urls: list[str], alert: Alert, snap: dict[str, Any]) -> None:
         import apprise
 
         ap = apprise.Apprise()

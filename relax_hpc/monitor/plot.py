@@ -27,7 +27,7 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("idle fraction", (("perf/train_idle_fraction", "trainer"), ("perf/rollout_idle_fraction", "rollout"))),
 )
 """Panel title -> (metric name, series label) of each curve in it."""
-LINESTYLES = ("-", "--", ":", "-.")
+LINESTYLES: tuple[Any, ...] = ("-", "--", ":", "-.")
 SMOOTH_MIN_POINTS = 20
 """Curves with at least this many points get a moving-average line over a faint raw line."""
 
@@ -112,17 +112,20 @@ def plot_histories(histories: list[History], out: Path | str | None = None, *, t
     fig = Figure(figsize=(15, 8.5), layout="constrained")
     axes = fig.subplots(2, 3, sharex=True).ravel()
     colors = [f"C{i % 10}" for i in range(len(histories))]
+    raw_alpha = 0.12 if sweep else 0.3  # many faint raw curves would hide the smoothed ones
     for ax, (panel, curves) in zip(axes, PANELS, strict=True):
-        drawn, nonfinite = 0, 0
+        drawn, nonfinite, top = 0, 0, 0.0
         for color, hist in zip(colors, histories, strict=True):
             for (name, series), style in zip(curves, LINESTYLES, strict=False):
                 steps, values = hist.curve(name)
                 if not steps:
                     continue
                 nonfinite += sum(1 for v in values if not math.isfinite(v))
+                top = max([top] + [v for v in values if math.isfinite(v)])
                 label = " ".join(x for x in (hist.label if sweep else "", series) if x) or hist.label
                 if smooth and len(steps) >= SMOOTH_MIN_POINTS:
-                    ax.plot(steps, values, color=color, linestyle=style, linewidth=0.8, alpha=0.3, label="_raw")
+                    ax.plot(steps, values, color=color, linestyle=style, linewidth=0.8, alpha=raw_alpha,
+                            label="_raw")
                     ax.plot(steps, smooth_curve(values), color=color, linestyle=style, linewidth=1.8, label=label)
                 else:
                     ax.plot(steps, values, color=color, linestyle=style, linewidth=1.5, label=label,
@@ -135,7 +138,7 @@ def plot_histories(histories: list[History], out: Path | str | None = None, *, t
         if not drawn:
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")
         if panel.startswith("idle"):
-            ax.set_ylim(-0.02, 1.02)
+            ax.set_ylim(0, min(1.02, max(0.1, top * 1.2)))  # a fraction: from 0, but not squashed flat
             if drawn:
                 ax.legend(handles=[Line2D([], [], color="black" if sweep else colors[0], linestyle=st, label=s)
                                    for (_, s), st in zip(curves, LINESTYLES, strict=False)],

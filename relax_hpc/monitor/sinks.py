@@ -121,8 +121,9 @@ class WandbSink(MetricsSink):
         import wandb
 
         wandb_dir.mkdir(parents=True, exist_ok=True)
+        mode: Any = os.environ.get("WANDB_MODE", "offline")
         self.run: Any = wandb.init(project=project, name=name, group=group, dir=str(wandb_dir), config=config,
-                                   mode=os.environ.get("WANDB_MODE", "offline"), reinit="create_new")
+                                   mode=mode, reinit="create_new")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.run is not None:

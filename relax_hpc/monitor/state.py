@@ -111,7 +111,7 @@ class RunMonitor:
         self.info: dict[str, Any] = self.rd.info()
         self.slurm = slurm if slurm is not None else SlurmPoller()
         self.config: dict[str, Any] | None = None
-        self.monitor_cfg = MonitorConfig()
+        self.monitor_cfg = MonitorConfig.model_validate({})
         # Only the trainer's metrics are used: other procs' metrics lines are counted, not parsed.
         self._events = DirTail(self.rd.events, skip=lambda proc: None if proc in TRAINER_PROCS else METRICS_MARK)
         self._hb: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
@@ -141,7 +141,7 @@ class RunMonitor:
         try:
             self.monitor_cfg = MonitorConfig.model_validate(cfg.get("monitor") or {})
         except ValueError:
-            self.monitor_cfg = MonitorConfig()
+            self.monitor_cfg = MonitorConfig.model_validate({})
 
     def _ingest(self, stem: str, rec: dict[str, Any]) -> None:
         kind = rec.get("kind")
@@ -246,7 +246,7 @@ class RunMonitor:
         cfg = self.config or {}
         roles = self._roles(slurm_states or {}, now)
         tproc = self.trainer_proc()
-        tr = self._trainers.get(tproc or "", _Trainer())
+        tr = self._trainers.setdefault(tproc, _Trainer()) if tproc else _Trainer()
         hb = self._hb[tproc][1] if tproc in self._hb else {}
         if isinstance(hb.get("step"), int) and (tr.step is None or hb["step"] > tr.step):
             tr.note_step(hb["step"], hb.get("time"))
@@ -299,10 +299,10 @@ class RunMonitor:
             }
         launch = self._launch[1] if self._launch else {}
         for item in launch.get("procs") or []:
-            proc = item.get("proc", item.get("name")) if isinstance(item, dict) else item
-            if isinstance(proc, str) and proc not in roles:
-                role, _, rank = proc.rpartition("-")
-                roles[proc] = {"role": role or proc, "rank": int(rank) if rank.isdigit() else None,
+            name = item.get("proc", item.get("name")) if isinstance(item, dict) else item
+            if isinstance(name, str) and name not in roles:
+                role, _, rank = name.rpartition("-")
+                roles[name] = {"role": role or name, "rank": int(rank) if rank.isdigit() else None,
                                "state": "waiting", "heartbeat_state": None, "heartbeat_age_s": None, "host": None,
                                "pid": item.get("pid") if isinstance(item, dict) else None, "step": None,
                                "version": None, "slurm_job_id": None, "slurm_state": None}

@@ -1,8 +1,9 @@
 """Sweeps: a folder whose subfolders are run dirs, and/or a ``sweep.json`` listing them.
 
 ``sweep.json`` is read leniently: a list of entries, or an object with a ``runs`` list; an entry is a path
-(relative to the sweep folder) or an object with ``run_dir`` (or ``path``) and optional ``name`` and ``overrides``
-(or ``params``). Runs listed there that do not exist yet show as ``pending``.
+(relative to the sweep folder) or an object with ``run_dir`` (or ``path``) and optional ``label`` (or ``name``) and
+``overrides`` (or ``params``), as ``relax-hpc sweep`` writes it. Runs listed there that do not exist yet show as
+``pending``.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def _entries_from_file(folder: Path) -> list[SweepEntry]:
     items = data.get("runs", []) if isinstance(data, dict) else data if isinstance(data, list) else []
     out = []
     for item in items:
+        path: Any
         if isinstance(item, str):
             path, label, params = item, None, None
         elif isinstance(item, dict):
             path = item.get("run_dir") or item.get("path") or item.get("dir")
-            label, params = item.get("name"), item.get("overrides", item.get("params"))
+            label, params = item.get("label") or item.get("name"), item.get("overrides", item.get("params"))
         else:
             continue
         if not isinstance(path, str) or not path:
@@ -92,8 +94,8 @@ class SweepMonitor:
                     self.runs[e.path] = RunMonitor(e.path, slurm=self.slurm)
                 except RunDirError:
                     continue
-        for mon in self.runs.values():
-            mon.update()
+        for run in self.runs.values():
+            run.update()
         states = self.slurm.states([j for m in self.runs.values() for j in m.job_ids()])
         rows = []
         for e in entries:

@@ -6,6 +6,7 @@ import math
 import time
 from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
@@ -64,11 +65,12 @@ def state_text(state: str | None) -> Text:
     return Text(state, style=STATE_STYLES.get(state, ""))
 
 
-def trend_text(trend: float | None) -> Text:
+def trend_text(trend: float | None, *, arrow_only: bool = False) -> Text:
+    """``↑ +0.0031/step`` (green), ``↓ ...`` (red) or ``→`` for the reward's recent slope."""
     if trend is None or not math.isfinite(trend):
         return Text("")
     arrow, style = ("↑", "green") if trend > 0 else ("↓", "red") if trend < 0 else ("→", "dim")
-    return Text(f" {arrow} {trend:+.3g}/step", style=style)
+    return Text(f" {arrow}" if arrow_only else f" {arrow} {trend:+.3g}/step", style=style)
 
 
 def _header(snap: dict[str, Any]) -> RenderableType:
@@ -111,8 +113,8 @@ def _role_key(item: tuple[str, dict[str, Any]]) -> tuple[int, int, str, int]:
     problem = PROBLEM_STATES.index(state) if state in PROBLEM_STATES else len(PROBLEM_STATES)
     role = str(r.get("role") or proc)
     order = ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER)
-    rank = r.get("rank") if isinstance(r.get("rank"), int) else 0
-    return (problem, order, role, rank)
+    rank = r.get("rank")
+    return (problem, order, role, rank if isinstance(rank, int) else 0)
 
 
 def roles_table(roles: dict[str, dict[str, Any]], *, max_rows: int = 40) -> Text:
@@ -143,7 +145,8 @@ def roles_table(roles: dict[str, dict[str, Any]], *, max_rows: int = 40) -> Text
         return [cell.rjust(w) if c in right else cell.ljust(w) for c, (cell, w) in enumerate(zip(cells, widths,
                                                                                                  strict=True))]
 
-    out = Text("roles\n", style="italic")
+    out = Text()
+    out.append("roles\n", style="italic")
     out.append("  ".join(line(header)).rstrip() + "\n", style="bold")
     for cells, state in rows:
         padded = line(cells)
@@ -156,6 +159,7 @@ def roles_table(roles: dict[str, dict[str, Any]], *, max_rows: int = 40) -> Text
             counts[str(r.get("state"))] = counts.get(str(r.get("state")), 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         out.append(f"… {len(rest)} more: {summary}\n", style="dim")
+    out.rstrip()
     out.no_wrap = True
     out.overflow = "ellipsis"
     return out
@@ -193,25 +197,34 @@ def _params_text(params: Any) -> str:
 
 
 def sweep_view(sweep: dict[str, Any]) -> RenderableType:
-    """One row per run of a sweep."""
-    t = Table(title=f"sweep {sweep.get('sweep', '')}", title_justify="left", header_style="bold")
-    for col, just in (("run", "left"), ("state", "left"), ("step", "right"), ("ETA", "right"), ("reward", "right"),
-                      ("loss", "right"), ("samples/s", "right"), ("staleness", "right"), ("roles", "right"),
-                      ("alerts", "right"), ("params", "left")):
-        t.add_column(col, justify=just)  # type: ignore[arg-type]
-    for snap in sweep.get("runs") or []:
+    """One row per run of a sweep (its overrides, if known, on a dim line under its name)."""
+    runs = sweep.get("runs") or []
+    show_alerts = any(snap.get("alerts") for snap in runs)
+    t = Table(title=f"sweep {sweep.get('sweep', '')}", title_justify="left", header_style="bold",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("run", overflow="fold")
+    for col in ("state", "step", "ETA", "reward", "loss", "smp/s", "stale", "roles") + (("alerts",) if show_alerts
+                                                                                        else ()):
+        t.add_column(col, justify="left" if col == "state" else "right", no_wrap=True)
+    for snap in runs:
         roles = snap.get("roles") or {}
         alive = sum(1 for r in roles.values() if r.get("state") in ("running", "starting", "paused", "draining"))
         dead = sum(1 for r in roles.values() if r.get("state") in ("dead", "failed"))
         role_text = Text(f"{alive}/{len(roles)}")
         if dead:
-            role_text.append(f" {dead} dead", style="bold red")
+            role_text.append(f" {dead}✗", style="bold red")
         reward = Text(fmt_num(snap.get("reward_mean")))
-        reward.append_text(trend_text(snap.get("reward_trend")))
-        step = snap.get("step")
-        t.add_row(str(snap.get("label") or snap.get("name") or "-"), state_text(snap.get("state")),
-                  f"{step if step is not None else '-'}/{snap.get('total_steps') or '-'}",
-                  fmt_duration(snap.get("eta_s")), reward, fmt_num(snap.get("loss")),
-                  fmt_num(snap.get("samples_per_s")), fmt_num(snap.get("staleness")), role_text,
-                  str(len(snap.get("alerts") or [])), _params_text(snap.get("params")))
+        reward.append_text(trend_text(snap.get("reward_trend"), arrow_only=True))
+        name = Text(str(snap.get("label") or snap.get("name") or "-"))
+        params = _params_text(snap.get("params"))
+        if params:
+            name.append("\n" + params, style="dim")
+        step = "-" if snap.get("step") is None else snap["step"]
+        cells: list[RenderableType] = [
+            name, state_text(snap.get("state")), f"{step}/{snap.get('total_steps') or '-'}",
+            fmt_duration(snap.get("eta_s")), reward, fmt_num(snap.get("loss")), fmt_num(snap.get("samples_per_s")),
+            fmt_num(snap.get("staleness")), role_text]
+        if show_alerts:
+            cells.append(Text(str(len(snap.get("alerts") or [])), style="bold red" if snap.get("alerts") else ""))
+        t.add_row(*cells)
     return t

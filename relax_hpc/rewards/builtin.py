@@ -45,13 +45,14 @@ def _gold_text(answer: Any) -> str:
     return text
 
 
-def math_answer(response: str, answer: Any, *, timeout_s: int = 5) -> float:
+def math_answer(response: str, answer: Any, *, timeout_s: int = 5, tail_chars: int = 2000) -> float:
     r"""1.0 if the response's final answer is mathematically equal to the reference answer, else 0.0.
 
     The final answer is the content of the response's last ``\boxed{}``; without one, math-verify's own extraction
-    of a final answer from the whole response (the last number or LaTeX expression, ``the answer is ...``). Both
-    sides are parsed and compared with math-verify (numeric, symbolic, set and interval equality). When either side
-    cannot be parsed, the stripped strings are compared exactly instead. math-verify works offline and uses
+    of a final answer from the response's last ``tail_chars`` characters (the last number or LaTeX expression,
+    ``the answer is ...``; the tail bounds the parsing cost of long responses). Both sides are parsed and compared
+    with math-verify (numeric, symbolic, set and interval equality). When either side cannot be parsed, the
+    stripped strings are compared exactly instead. math-verify works offline and uses
     ``signal.alarm`` for its ``timeout_s`` (whole seconds) in the main thread; in any other thread it runs without a
     timeout (``signal`` only works in the main thread).
     """
@@ -63,7 +64,7 @@ def math_answer(response: str, answer: Any, *, timeout_s: int = 5) -> float:
     pred_text = boxed.strip() if boxed is not None else response.strip()
     gold = parse(gold_text if "$" in gold_text or "\\boxed" in gold_text else f"\\boxed{{{gold_text}}}",
                  parsing_timeout=timeout)
-    pred = parse(f"\\boxed{{{pred_text}}}" if boxed is not None else pred_text, parsing_timeout=timeout)
+    pred = parse(f"\\boxed{{{pred_text}}}" if boxed is not None else pred_text[-tail_chars:], parsing_timeout=timeout)
     if gold and pred and verify(gold, pred, timeout_seconds=timeout):
         return 1.0
     return float(bool(gold_text) and pred_text == gold_text)

@@ -1,7 +1,7 @@
 """Score a batch of responses with the recipe's reward function, whatever its kind, without ever crashing the run.
 
 A reward that raises, times out, or returns NaN/inf/a non-number counts as an error (``reward/errors``); its sample
-then scores 0 (``on_error: zero``) or is marked in :attr:`RewardResult.drop` so that the caller drops its whole group
+then scores 0 (``on_error: zero``) or is marked in :attr:`RewardResult.dropped` so that the caller drops its whole group
 (``on_error: drop``). Sync functions run in the calling thread one sample at a time (no timeout: a sync function
 has to bound its own time, as ``math_answer`` does); async functions run concurrently on an event loop under
 ``reward.timeout_s`` for the whole batch; samples not done by then fail with a timeout.
@@ -41,17 +41,22 @@ class RewardResult:
     """bool [N]: the reward raised, timed out or returned something that is not a finite number."""
     reasons: list[str | None]
     """Per sample: why it failed (None where it did not)."""
-    drop: np.ndarray
-    """bool [N]: samples whose group the caller must drop (failed samples when ``on_error`` is ``drop``)."""
+    dropped: np.ndarray
+    """bool [N]: samples whose whole group the caller must drop (the failed ones when ``on_error`` is ``drop``)."""
     counts: dict[str, int] = field(default_factory=dict)
     """``reward/samples``, ``reward/errors`` (all failures), ``reward/timeouts`` (the part of them that timed out)."""
 
+    @property
+    def num_errors(self) -> int:
+        """How many samples failed (``counts["reward/errors"]``)."""
+        return int(self.failed.sum())
+
     def group_drop_mask(self, group_size: int) -> np.ndarray:
         """bool [N // group_size]: groups (consecutive runs of ``group_size`` samples) holding a sample to drop."""
-        n = len(self.drop)
+        n = len(self.dropped)
         if group_size < 1 or n % group_size:
             raise ValueError(f"{n} samples do not split into groups of {group_size}")
-        return self.drop.reshape(n // group_size, group_size).any(axis=1)
+        return self.dropped.reshape(n // group_size, group_size).any(axis=1)
 
     def metrics(self) -> dict[str, float]:
         """Scalars to log: counts, ``reward/mean`` over samples that did not fail, and the nan-mean of each extra."""
@@ -123,7 +128,9 @@ class RewardRunner:
         if len(answers) != n or (metas is not None and len(metas) != n):
             raise ValueError(f"{n} responses but {len(answers)} answers / {len(metas or [])} metas")
         metas = list(metas) if metas is not None else [{} for _ in range(n)]
-        if not self.is_async:
+        if n == 0:
+            raw: list[Any] = []
+        elif not self.is_async:
             raw = self._run_sync(list(responses), list(answers), metas)
         else:
             coro = self._run_async(list(responses), list(answers), metas)
@@ -228,9 +235,10 @@ class RewardRunner:
                 extras.setdefault(k, np.full(n, np.nan, dtype=np.float32))[i] = v
         errors = int(failed.sum())
         self._warn(reasons)
-        drop = failed.copy() if self.cfg.on_error == "drop" else np.zeros(n, dtype=bool)
+        dropped = failed.copy() if self.cfg.on_error == "drop" else np.zeros(n, dtype=bool)
         counts = {"reward/samples": n, "reward/errors": errors, "reward/timeouts": timeouts}
-        return RewardResult(rewards=rewards, extras=extras, failed=failed, reasons=reasons, drop=drop, counts=counts)
+        return RewardResult(rewards=rewards, extras=extras, failed=failed, reasons=reasons, dropped=dropped,
+                            counts=counts)
 
     def _warn(self, reasons: list[str | None]) -> None:
         bad = [r for r in reasons if r is not None]

@@ -17,12 +17,14 @@ Protocol (``docs/protocol-samples.md``):
 from __future__ import annotations
 
 import collections
+import copy
+import itertools
 import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
 
-from relax_hpc.errors import CorruptShardError, StoreError, WaitTimeout
+from relax_hpc.errors import CorruptShardError, RunDirError, StoreError, WaitTimeout
 from relax_hpc.fsio import atomic_write_json, read_json, refresh_nfs_cache, remove_debris, wait_for
 from relax_hpc.rundir import RunDir
 from relax_hpc.store.layout import (
@@ -30,15 +32,15 @@ from relax_hpc.store.layout import (
     check_consumer,
     check_position,
     empty_position,
-    list_shards,
     quarantine,
     read_position,
     resolve,
 )
 from relax_hpc.store.plan import GroupInfo, Plan, StalePolicy, select, split_ranks
+from relax_hpc.store.retention import delete_consumed, prune_plans
 from relax_hpc.store.sample import Sample
-from relax_hpc.store.shard_reader import open_shard, read_groups, read_header
-from relax_hpc.store.writer import open_run_dir
+from relax_hpc.store.shard_reader import ShardHeader, open_shard, read_groups, read_header
+from relax_hpc.store.writer import describe_oserror, open_run_dir
 
 log = logging.getLogger("relax_hpc.store")
 Retention = Literal["delete", "keep"]
@@ -62,7 +64,7 @@ class ConsumerGroup:
         retention: Retention = "delete",
         keep_plans: int = 16,
         debris_age_s: float = 3600.0,
-        header_cache: int = 4096,
+        header_cache: int = 1024,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
@@ -74,12 +76,18 @@ class ConsumerGroup:
         self.retention: Retention = retention
         self.keep_plans = keep_plans
         self.debris_age_s = debris_age_s
-        self._cache: collections.OrderedDict[tuple[str, int], GroupInfo] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple[str, int], tuple[ShardHeader, GroupInfo]] = collections.OrderedDict()
         self._cache_size = header_cache
         self._plans: dict[int, Plan] = {}
         #: Counters over this object's life: quarantined_shards/_samples, stale_dropped_samples, samples_read ...
         self.counters: collections.Counter[str] = collections.Counter()
-        self.run_dir.consumer_plans(self.name).mkdir(parents=True, exist_ok=True)
+        self._bad: set[tuple[str, int]] = set()
+        if self.is_leader:
+            folder = self.run_dir.consumer_plans(self.name)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RunDirError(f"cannot create {folder}: {describe_oserror(exc)}") from exc
         committed = read_position(self.run_dir.consumer_position(self.name), self.name)
         self._set_base(committed or empty_position(self.name))
 
@@ -131,6 +139,7 @@ class ConsumerGroup:
         existing = self._load_plan(path)
         if existing is not None:
             log.info("replaying plan %s written before a restart (%d samples)", path, existing.num_samples)
+            atomic_write_json(self.run_dir.consumer_planned(self.name), existing.position_after, fsync=False)
             return self._accept(existing)
         found: list[Any] = []
 
@@ -209,6 +218,8 @@ class ConsumerGroup:
             return None
         if data is None or data.get("position_before", {}).get("writers") != self._base["writers"]:
             return None  # absent, or a plan of an abandoned chain (before a restart from an older checkpoint)
+        if data.get("world_size") != self.world_size:
+            return None  # planned for another data-parallel size: the leader re-plans it
         return Plan.from_json(data)
 
     def _accept(self, plan: Plan) -> Plan:
@@ -221,7 +232,7 @@ class ConsumerGroup:
     def position_after(self, step: int) -> dict[str, Any]:
         """The position after ``step``'s plan, to store in the trainer's checkpoint (JSON-able)."""
         plan = self._plans.get(step) or self._plan_from_disk(step)
-        return dict(plan.position_after)
+        return copy.deepcopy(plan.position_after)
 
     def _plan_from_disk(self, step: int) -> Plan:
         path = self.run_dir.consumer_plan(step, self.name)
@@ -233,10 +244,12 @@ class ConsumerGroup:
     # --------------------------------------------------------------------------------------------------- reading
     def _group_info(self, ref: ShardRef) -> GroupInfo | None:
         key = (ref.writer_id, ref.seq)
-        info = self._cache.get(key)
-        if info is not None:
+        if key in self._bad:
+            return None
+        cached = self._cache.get(key)
+        if cached is not None:
             self._cache.move_to_end(key)
-            return info
+            return cached[1]
         path = resolve(self.run_dir, ref)
         if path is None:
             return None
@@ -249,15 +262,14 @@ class ConsumerGroup:
                     f"groups, the file name {ref.num_samples} in {ref.num_groups}"
                 )
         except (CorruptShardError, FileNotFoundError) as exc:
+            self._bad.add(key)
             quarantine(self.run_dir, ref, str(exc), detected_by=f"{self.name}-{self.rank} (plan)")
             return None
         goff = header.group_offsets.tolist()
         versions = header.versions.tolist()
-        per_group = [versions[goff[g] : goff[g + 1]] for g in range(header.num_groups)]
-        info = GroupInfo(
-            [goff[g + 1] - goff[g] for g in range(header.num_groups)], [min(v) for v in per_group], per_group
-        )
-        self._cache[key] = info
+        per_group = [versions[a:b] for a, b in itertools.pairwise(goff)]
+        info = GroupInfo([b - a for a, b in itertools.pairwise(goff)], [min(v) for v in per_group], per_group)
+        self._cache[key] = (header, info)
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return info
@@ -306,8 +318,14 @@ class ConsumerGroup:
         samples: list[Sample] = []
         problem = ""
         try:
-            with open_shard(path) as f:
-                header = read_header(f, path)
+            try:
+                f = open_shard(path)
+            except FileNotFoundError:  # moved to quarantine by another rank just now
+                path = resolve(self.run_dir, ref) or path
+                f = open_shard(path)
+            with f:
+                cached = self._cache.get((ref.writer_id, ref.seq))  # verified when this process planned it
+                header = cached[0] if cached is not None else read_header(f, path)
                 for i, (g0, g1) in enumerate(group_runs):
                     try:
                         res = read_groups(f, header, path, g0, g1)
@@ -341,37 +359,12 @@ class ConsumerGroup:
             return
         position = check_position(position, self.name)
         atomic_write_json(self.run_dir.consumer_position(self.name), position)
-        self.counters["shards_retired"] += self._retire(position)
+        if self.retention == "delete":
+            self.counters["shards_retired"] += delete_consumed(self.run_dir, position)
         step = position.get("step")
         if isinstance(step, int):
-            self._prune_plans(step)
+            prune_plans(self.run_dir, self.name, step - self.keep_plans)
         remove_debris(self.run_dir.samples_tmp, older_than_s=self.debris_age_s)
-
-    def _retire(self, position: dict[str, Any]) -> int:
-        if self.retention == "keep":
-            return 0
-        n = 0
-        for w, (seq, _, _) in position["writers"].items():
-            for ref in list_shards(self.run_dir, w):
-                if ref.seq >= seq:
-                    break
-                try:
-                    self.run_dir.shard_file(w, ref.name).unlink()
-                    n += 1
-                except FileNotFoundError:
-                    pass
-                self._cache.pop((w, ref.seq), None)
-        return n
-
-    def _prune_plans(self, committed_step: int) -> None:
-        folder = self.run_dir.consumer_plans(self.name)
-        for p in folder.glob("step_*.json"):
-            try:
-                step = int(p.stem[5:])
-            except ValueError:
-                continue
-            if step <= committed_step - self.keep_plans:
-                p.unlink(missing_ok=True)
 
     def resume(self, position: dict[str, Any] | None = None) -> None:
         """Continue from ``position`` (from a checkpoint) or, if None, from the committed position.
@@ -384,9 +377,3 @@ class ConsumerGroup:
         self._set_base(check_position(position, self.name) if position else empty_position(self.name))
         if self.is_leader:
             atomic_write_json(self.run_dir.consumer_planned(self.name), self._base, fsync=False)
-
-
-def consumed_shards(run_dir: RunDir, name: str = "trainer") -> int:
-    """Shards below the committed position still on disk (retention ``keep``, or not yet retired)."""
-    position = read_position(run_dir.consumer_position(name), name) or empty_position(name)
-    return sum(sum(1 for r in list_shards(run_dir, w) if r.seq < seq) for w, (seq, _, _) in position["writers"].items())

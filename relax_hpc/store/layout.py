@@ -179,6 +179,8 @@ def quarantine(rd: RunDir, ref: ShardRef, reason: str, *, detected_by: str = "")
     """
     src = rd.shard_file(ref.writer_id, ref.name)
     dst = rd.quarantine_file(ref.quarantine_name)
+    if not src.exists() and dst.exists():
+        return False  # already quarantined (by another reader): keep the first reason
     record = {
         "shard": ref.rel,
         "reason": reason,
@@ -189,22 +191,22 @@ def quarantine(rd: RunDir, ref: ShardRef, reason: str, *, detected_by: str = "")
         "num_samples": ref.num_samples,
         "num_groups": ref.num_groups,
     }
-    with contextlib.suppress(OSError, StoreError):
+    with contextlib.suppress(OSError):
         rd.quarantine.mkdir(parents=True, exist_ok=True)
     try:
         atomic_write_json(rd.quarantine_file(f"{ref.quarantine_name}.reason.json"), record)
     except Exception as exc:
         log.error("cannot write the quarantine reason for %s: %s", src, exc)
-    moved = False
     try:
         os.rename(src, dst)
-        moved = True
     except FileNotFoundError:
-        pass  # moved by another reader already (or never there)
+        log.info("corrupt shard %s was quarantined by another reader meanwhile: %s", src, reason)
+        return False
     except OSError as exc:
-        log.error("cannot move corrupt shard %s to %s: %s", src, dst, exc)
+        log.error("cannot move corrupt shard %s to %s: %s (%s)", src, dst, exc, reason)
+        return False
     log.warning("quarantined corrupt shard %s -> %s: %s", src, dst, reason)
-    return moved
+    return True
 
 
 def is_debris(name: str) -> bool:

@@ -104,7 +104,7 @@ def to_torch(array: np.ndarray, dtype_name: str | None = None) -> Any:
     """Turn a stored array into a torch tensor of logical dtype ``dtype_name`` (views raw bits, no copy)."""
     import torch
 
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    tensor = torch.from_numpy(array if array.flags.c_contiguous else array.copy(order="C"))
     if dtype_name is None or dtype_name == array.dtype.name:
         return tensor
     if dtype_name in RAW_DTYPES:
@@ -169,6 +169,8 @@ def _version(value: Any, name: str, where: str) -> int:
 
 def tensor_to_numpy(value: Any, declared: str | None, name: str, where: str) -> tuple[np.ndarray, str]:
     """A multimodal tensor as (contiguous storage array, logical dtype name). Accepts numpy or torch (duck typed)."""
+    if isinstance(value, np.generic):  # a numpy scalar: a 0-d tensor
+        value = np.asarray(value)
     if isinstance(value, np.ndarray):
         arr, logical = value, value.dtype.name
         if logical in RAW_DTYPES:  # ml_dtypes.bfloat16 and friends
@@ -196,7 +198,7 @@ def tensor_to_numpy(value: Any, declared: str | None, name: str, where: str) -> 
         raise SampleValidationError(f"{where}: tensor '{name}' has unsupported dtype {arr.dtype}")
     if arr.dtype.kind == "b":
         arr = arr.view(np.uint8)
-    return np.ascontiguousarray(arr), logical
+    return (arr if arr.flags.c_contiguous else arr.copy(order="C")), logical
 
 
 def check_sample(sample: Sample | dict[str, Any], where: str) -> CheckedSample:

@@ -15,13 +15,15 @@ one flat dataset (all samples concatenated) located by offsets, so a shard is ~1
     sample_json  uint8[]   per group, a JSON list of ``{"r": rewards, "t": timings, "m": metadata}`` per sample
     tensors/<t>  storage dtype[]  flattened tensors (bf16 as uint16 bits)
 
-``group_crc[g, d]`` is the crc32 of group ``g``'s slice of data dataset ``d``, so a rank reading some groups verifies
+``group_crc[g, d]`` is the crc32 of group ``g``'s slice of data dataset ``d`` (for the big tensors the header lists
+under ``digests``: the :func:`blocksum` digest chained over the group's samples), so a rank reading some groups verifies
 exactly what it read, and a bit flip costs the one group it hits (the shard is quarantined). The header check covers
 everything needed to locate data; a shard whose header fails, or that does not open (truncated), is corrupt whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from relax_hpc.errors import SampleValidationError
+from relax_hpc.store import h5io
 from relax_hpc.store.sample import (
     CheckedSample,
     SampleGroup,
@@ -50,11 +53,27 @@ OFFSETS_OF = {
 }
 #: Tensors averaging at least this many bytes per sample are written sample by sample (no concatenation copy).
 SLICE_WRITE_BYTES = 1 << 20
+DIGEST_BLOCK = 4096
+BLOCKSUM = "blocksum64-4k"
 MAX_HEADER_BYTES = 64 << 20
 
 
 def crc(arr: np.ndarray, value: int = 0) -> int:
+    """crc32 of an array's bytes, chained from ``value``."""
     return zlib.crc32(arr.data if arr.flags.c_contiguous else np.ascontiguousarray(arr).data, value)
+
+
+def blocksum(arr: np.ndarray, value: int = 0) -> int:
+    """The ``blocksum64-4k`` digest of big tensors: crc32 of the uint64 sums of each full 4 KiB block, then of the
+    tail bytes. ~3x faster than crc32 over the bytes; catches any single bit flip, truncation, zeroed or reordered
+    blocks. Chaining over pieces equals the digest of their concatenation when every piece but the last is a multiple
+    of 4 KiB long."""
+    b = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    n = b.size - b.size % DIGEST_BLOCK
+    if n:
+        sums = b[:n].view("<u8").reshape(-1, DIGEST_BLOCK // 8).sum(axis=1, dtype=np.uint64)
+        value = zlib.crc32(sums.astype("<u8", copy=False).data, value)
+    return zlib.crc32(b[n:].data, value)
 
 
 @dataclass
@@ -72,27 +91,27 @@ class EncodedShard:
 
     def write(self, path: Path, *, fsync: bool = True) -> None:
         """Write the shard to ``path`` (a new file) and fsync it. OSError propagates (the caller names the file)."""
-        import h5py
-
         header_bytes = json.dumps(self.header, separators=(",", ":")).encode()
-        header_arr = np.frombuffer(header_bytes, np.uint8)
-        crc = zlib.crc32(self.index.data, zlib.crc32(header_bytes))
-        with h5py.File(path, "w", locking=False) as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["header_crc"] = np.int64(crc)
-            f.create_dataset("header", data=header_arr)
-            f.create_dataset("index", data=self.index)
+        fid = h5io.create_file(path)
+        try:
+            h5io.write_attr(fid, "format", FORMAT)
+            h5io.write_attr(fid, "header_crc", zlib.crc32(self.index.data, zlib.crc32(header_bytes)))
+            h5io.write_dataset(fid, "header", np.frombuffer(header_bytes, np.uint8))
+            h5io.write_dataset(fid, "index", self.index)
             for name, col in self.columns.items():
                 if isinstance(col, np.ndarray):
-                    f.create_dataset(name, data=col)
+                    h5io.write_dataset(fid, name, col)
                     continue
-                total = sum(a.size for a in col)
-                ds = f.create_dataset(name, shape=(total,), dtype=col[0].dtype if col else np.uint8)
+                ds = h5io.create_dataset(fid, name, col[0].dtype, sum(a.size for a in col))
                 pos = 0
                 for a in col:
-                    if a.size:
-                        ds[pos : pos + a.size] = a.reshape(-1)
-                        pos += a.size
+                    h5io.write_slice(ds, pos, a.reshape(-1))
+                    pos += a.size
+        except BaseException:
+            with contextlib.suppress(Exception):
+                h5io.close(fid)
+            raise
+        h5io.close(fid)
         if fsync:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -251,13 +270,13 @@ def encode_shard(groups: list[SampleGroup], *, writer_id: str, seq: int) -> Enco
         if isinstance(col, np.ndarray):
             for gi in range(g):
                 crcs[gi, d] = crc(col[b[gi] : b[gi + 1]])
-        else:  # big tensors kept per sample: chain the crc over the group's samples in order
+        else:  # big tensors kept per sample: chain the blocksum digest over the group's samples in order
             by_sample = dict(zip(carriers[name], col, strict=True))
             for gi in range(g):
                 value = 0
                 for i in range(goff[gi], goff[gi + 1]):
                     if i in by_sample:
-                        value = crc(by_sample[i], value)
+                        value = blocksum(by_sample[i], value)
                 crcs[gi, d] = value
     v = np.array([c.version for c in checked], np.int64)
     sections: dict[str, np.ndarray] = {
@@ -283,6 +302,7 @@ def encode_shard(groups: list[SampleGroup], *, writer_id: str, seq: int) -> Enco
         "datasets": datasets,
         "index": [[name, int(a.size)] for name, a in sections.items()],
         "tensors": tspecs,
+        "digests": {name: BLOCKSUM for name in carriers},
     }
     nbytes = sum((c.nbytes if isinstance(c, np.ndarray) else sum(a.nbytes for a in c)) for c in columns.values())
     return EncodedShard(header, index, columns, n, g, int(v.min()), int(v.max()), nbytes)

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from relax_hpc.errors import CorruptShardError
+from relax_hpc.store import h5io
 from relax_hpc.store.sample import Sample
-from relax_hpc.store.shard import FORMAT, MAX_HEADER_BYTES, OFFSETS_OF, crc
+from relax_hpc.store.shard import BLOCKSUM, FORMAT, MAX_HEADER_BYTES, OFFSETS_OF, blocksum, crc
 
 #: Datasets bigger than this (in this read) are read in pieces of this size, checksummed on a helper thread.
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 8 << 20  # a multiple of DIGEST_BLOCK
 
 
 @dataclass
@@ -65,32 +66,50 @@ class ShardHeader:
         return self.sample_offsets(dataset)[self.group_offsets].tolist()
 
 
-def open_shard(path: Path) -> Any:
-    """Open a shard read-only (no HDF5 file locking: Lustre and NFS). A file that does not open is corrupt."""
-    import h5py
+class ShardFile:
+    """An open shard (a low-level HDF5 file id); use as a context manager."""
 
+    def __init__(self, fid: Any, path: Path):
+        self.fid, self.path = fid, path
+
+    def close(self) -> None:
+        if self.fid is not None:
+            h5io.close(self.fid)
+            self.fid = None
+
+    def __enter__(self) -> ShardFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_shard(path: Path) -> ShardFile:
+    """Open a shard read-only (no HDF5 file locking: Lustre and NFS). A file that does not open is corrupt."""
     try:
-        return h5py.File(path, "r", locking=False)
+        return ShardFile(h5io.open_file(path), path)
     except FileNotFoundError:
         raise
     except Exception as exc:  # truncated or garbled files raise OSError, ValueError, RuntimeError ...
+        if not path.exists():
+            raise FileNotFoundError(str(path)) from None
         raise CorruptShardError(f"{path}: cannot open as HDF5 ({exc})") from None
 
 
-def read_header(f: Any, path: Path) -> ShardHeader:
+def read_header(f: ShardFile, path: Path) -> ShardHeader:
     """Read and verify the header and index of an open shard; :class:`CorruptShardError` if they do not check out."""
     try:
-        if f.attrs.get("format") != FORMAT:
-            raise CorruptShardError(f"{path}: not a {FORMAT} shard (format={f.attrs.get('format')!r})")
-        expected = int(f.attrs["header_crc"])
-        hds, ids = f["header"], f["index"]
-        if hds.dtype != np.uint8 or hds.ndim != 1 or hds.shape[0] > MAX_HEADER_BYTES or ids.dtype != np.int64:
+        expected = h5io.read_int_attr(f.fid, "header_crc")
+        hds, ids = h5io.open_dataset(f.fid, "header"), h5io.open_dataset(f.fid, "index")
+        if hds.dtype != np.uint8 or hds.rank != 1 or hds.shape[0] > MAX_HEADER_BYTES or ids.dtype != np.int64:
             raise CorruptShardError(f"{path}: header or index dataset has the wrong type")
-        header_bytes = hds[()].tobytes()
-        index = ids[()]
-        if zlib.crc32(index.data, zlib.crc32(header_bytes)) != expected:
+        header_bytes = h5io.read_all(hds).tobytes()
+        index = h5io.read_all(ids)
+        if zlib.crc32(index.data, zlib.crc32(header_bytes)) != expected & 0xFFFFFFFF:
             raise CorruptShardError(f"{path}: header checksum mismatch")
         meta = json.loads(header_bytes)
+        if meta.get("format") != FORMAT:
+            raise CorruptShardError(f"{path}: not a {FORMAT} shard (format={meta.get('format')!r})")
         sections: dict[str, np.ndarray] = {}
         pos = 0
         for name, length in meta["index"]:
@@ -106,9 +125,8 @@ def read_header(f: Any, path: Path) -> ShardHeader:
 
 
 class _CrcPipeline:
-    """Checksums computed on a helper thread while the main thread reads the next piece (zlib releases the GIL).
-
-    Jobs run in submission order, so a crc chained over several pieces of one group comes out right.
+    """Digests computed on a helper thread while the main thread reads the next piece (numpy and zlib release the
+    GIL). Jobs run in submission order, so a digest chained over several pieces of one group comes out right.
     """
 
     def __init__(self) -> None:
@@ -121,7 +139,7 @@ class _CrcPipeline:
         while (job := self._queue.get()) is not None:
             key, view = job
             try:
-                self.values[key] = zlib.crc32(view.data, self.values.get(key, 0))
+                self.values[key] = blocksum(view, self.values.get(key, 0))
             except BaseException as exc:  # reported by join()
                 self._error = exc
 
@@ -140,16 +158,6 @@ class _CrcPipeline:
         return self.values
 
 
-def _read_into(ds: Any, lo: int, out: np.ndarray) -> None:
-    """Read elements ``[lo, lo + out.size)`` of a 1-D dataset into ``out`` (contiguous) with one HDF5 call."""
-    from h5py import h5s
-
-    if out.size:
-        fspace = ds.id.get_space()
-        fspace.select_hyperslab((lo,), (out.size,))
-        ds.id.read(h5s.create_simple((out.size,)), fspace, out)
-
-
 @dataclass
 class GroupsRead:
     """Samples of the groups that verified, and the indices of groups that failed their checksum."""
@@ -159,12 +167,17 @@ class GroupsRead:
     bad_samples: int
 
 
-def read_groups(f: Any, header: ShardHeader, path: Path, g0: int, g1: int, *, verify: bool = True) -> GroupsRead:
-    """Read groups ``[g0, g1)`` of an open shard: one read per dataset (pieces of ``PIECE_BYTES`` for big ones,
-    checksummed on a helper thread meanwhile), then per-group checksum verification."""
+def read_groups(f: ShardFile, header: ShardHeader, path: Path, g0: int, g1: int, *, verify: bool = True) -> GroupsRead:
+    """Read groups ``[g0, g1)`` of an open shard, then verify each group's checksums.
+
+    One read per dataset; big tensors are read sample by sample in pieces of at most ``PIECE_BYTES`` while a helper
+    thread digests the pieces already read.
+    """
     if not 0 <= g0 <= g1 <= header.num_groups:
         raise CorruptShardError(f"{path}: group range [{g0}, {g1}) outside 0..{header.num_groups}")
     datasets: list[str] = header.meta["datasets"]
+    digests: dict[str, str] = header.meta.get("digests", {})
+    goff = header.group_offsets.tolist()
     crc_table = header.group_crc() if verify else None
     cols: dict[str, np.ndarray] = {}
     bases: dict[str, int] = {}
@@ -173,33 +186,37 @@ def read_groups(f: Any, header: ShardHeader, path: Path, g0: int, g1: int, *, ve
     try:
         try:
             for d, name in enumerate(datasets):
-                ds = f[name]
+                ds = h5io.open_dataset(f.fid, name)
                 b = header.group_bounds(name)
-                if ds.ndim != 1 or ds.shape[0] != b[-1]:
+                if ds.rank != 1 or ds.shape[0] != b[-1]:
                     raise CorruptShardError(f"{path}: dataset {name} has shape {ds.shape}, index says ({b[-1]},)")
                 lo, hi = b[g0], b[g1]
                 out = np.empty(hi - lo, ds.dtype)
                 cols[name], bases[name] = out, lo
-                if out.nbytes <= PIECE_BYTES:
-                    _read_into(ds, lo, out)
+                if name not in digests:  # crc32 per group over one read
+                    h5io.read_into(ds, lo, out)
                     if crc_table is not None:
                         for gi in range(g0, g1):
                             computed[(gi, d)] = crc(out[b[gi] - lo : b[gi + 1] - lo])
                     continue
-                step = max(1, PIECE_BYTES // out.itemsize)
+                if digests[name] != BLOCKSUM:
+                    raise CorruptShardError(f"{path}: unknown digest {digests[name]!r} for dataset {name}")
+                # big tensors: sample by sample, in pieces that are multiples of the digest block
+                so = header.sample_offsets(name).tolist()
+                step = PIECE_BYTES // out.itemsize
                 for gi in range(g0, g1):
-                    for a in range(b[gi], b[gi + 1], step):
-                        view = out[a - lo : min(a + step, b[gi + 1]) - lo]
-                        _read_into(ds, a, view)
-                        if crc_table is not None:
-                            pipe.submit((gi, d), view)
+                    for i in range(goff[gi], goff[gi + 1]):
+                        for a in range(so[i], so[i + 1], step):
+                            view = out[a - lo : min(a + step, so[i + 1]) - lo]
+                            h5io.read_into(ds, a, view)
+                            if crc_table is not None:
+                                pipe.submit((gi, d), view)
         finally:
             computed.update(pipe.join())
     except CorruptShardError:
         raise
     except Exception as exc:
         raise CorruptShardError(f"{path}: unreadable data ({type(exc).__name__}: {exc})") from None
-    goff = header.group_offsets.tolist()
     bad = []
     if crc_table is not None:
         for gi in range(g0, g1):

@@ -1,13 +1,16 @@
 """What the trainer consumes, and packing into micro-batches without padding.
 
 A :class:`TrainItem` is one sample (prompt + response) with everything the loss needs. :func:`pack` groups items into
-micro-batches of at most ``max_tokens`` tokens (first-fit decreasing), each laid out as ONE row with position ids that
-restart at every sequence; HF models then build a block-diagonal causal mask from the position ids (no attention
-across sequences, no pad tokens). Only the logits at response positions are computed (``logits_to_keep``).
+micro-batches of at most ``max_tokens`` tokens (first-fit decreasing), each laid out as ``R`` rows of ``W`` tokens
+with position ids that restart at every sequence; HF models build a block-diagonal causal mask from the position ids
+(no attention across sequences). The tail of a row that no sequence fills is padding (its own position run, never
+read); the row width is chosen per micro-batch to keep that tail small (``padding_fraction`` is reported). One row
+(``R = 1``) has no padding at all but attention over the whole row; several short rows cost far less attention on
+CPUs and small models.
 
-Shapes (one micro-batch, S sequences, L packed tokens, T response tokens):
-    input_ids, position_ids  [1, L]
-    logit_index              [T]  position whose logits predict each response token
+Shapes (one micro-batch, S sequences, R rows of W tokens, T response tokens):
+    input_ids, position_ids  [R, W]
+    logit_index              [T]  flat index (row * W + column) of the position whose logits predict each token
     targets                  [T]  the response tokens
     seq_ids                  [T]  which of the S sequences each response token belongs to
 """
@@ -68,10 +71,12 @@ class MicroBatch:
     weights: Any
     items: list[TrainItem]
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+    real_tokens: int = 0
+    """Tokens of the sequences (the rest of the R x W layout is padding)."""
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+        return int(self.input_ids.numel())
 
 
 def plan_packs(lengths: list[int], max_tokens: int, *, alone: set[int] | None = None) -> list[list[int]]:
@@ -97,18 +102,57 @@ def plan_packs(lengths: list[int], max_tokens: int, *, alone: set[int] | None = 
     return packs
 
 
-def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu") -> MicroBatch:
-    """Lay ``items`` out as one packed row."""
+def choose_row_width(lengths: list[int], max_tokens: int, *, max_padding: float = 0.05) -> tuple[int, list[list[int]]]:
+    """Row width W and the rows (indices): the narrowest of longest x 1, 2, 3 ... 16, then doubling (and one row of
+    everything) whose first-fit layout pads less than ``max_padding``; else the layout with the least padding."""
+    total = sum(lengths)
+    longest = max(lengths)
+    widths = [longest * k for k in range(1, 17) if longest * k < total]
+    w = longest * 32
+    while w < total:
+        widths.append(w)
+        w *= 2
+    widths.append(total)
+    best: tuple[float, int, list[list[int]]] | None = None
+    for w in widths:
+        rows = plan_packs(lengths, w)
+        pad = 1.0 - total / (len(rows) * w)
+        if pad <= max_padding:
+            return w, rows
+        if best is None or pad < best[0]:
+            best = (pad, w, rows)
+    assert best is not None
+    return best[1], best[2]
+
+
+def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu", rows: bool = True) -> MicroBatch:
+    """Lay ``items`` out as packed rows (``rows=False``: one row, no padding)."""
     import torch
 
-    ids, pos, logit_index, targets, seq_ids = [], [], [], [], []
+    lengths = [it.num_tokens for it in items]
+    if rows and len(items) > 1:
+        width, layout = choose_row_width(lengths, sum(lengths))
+    else:
+        width, layout = sum(lengths), [list(range(len(items)))]
+    n_rows = len(layout)
+    row_of: dict[int, tuple[int, int]] = {}
+    for r, members in enumerate(layout):
+        col = 0
+        for i in members:
+            row_of[i] = (r, col)
+            col += lengths[i]
+    ids_t = np.zeros((n_rows, width), dtype=np.int64)
+    pos_t = np.zeros((n_rows, width), dtype=np.int64)
+    fill = [0] * n_rows
+    logit_index, targets, seq_ids = [], [], []
     lp, mask, adv, w = [], [], [], []
-    offset = 0
     for s, it in enumerate(items):
         p, r = len(it.prompt_ids), len(it.response_ids)
-        ids.append(np.concatenate([it.prompt_ids, it.response_ids]).astype(np.int64))
-        pos.append(np.arange(p + r, dtype=np.int64))
-        logit_index.append(offset + p - 1 + np.arange(r, dtype=np.int64))
+        row, col = row_of[s]
+        ids_t[row, col:col + p + r] = np.concatenate([it.prompt_ids, it.response_ids])
+        pos_t[row, col:col + p + r] = np.arange(p + r)
+        fill[row] = max(fill[row], col + p + r)
+        logit_index.append(row * width + col + p - 1 + np.arange(r, dtype=np.int64))
         targets.append(np.asarray(it.response_ids, dtype=np.int64))
         seq_ids.append(np.full(r, s, dtype=np.int64))
         lp.append(np.asarray(it.rollout_logprobs, dtype=np.float32))
@@ -116,7 +160,8 @@ def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu") -> MicroBa
         adv.append(np.asarray(it.token_advantages, dtype=np.float32) if it.token_advantages is not None
                    else np.full(r, it.advantage, dtype=np.float32))
         w.append(np.full(r, it.weight, dtype=np.float32))
-        offset += p + r
+    for row in range(n_rows):  # the unused tail of a row is its own position run (never attended to by real tokens)
+        pos_t[row, fill[row]:] = np.arange(width - fill[row])
 
     def t(parts: list[np.ndarray]) -> Any:
         return torch.from_numpy(np.concatenate(parts)).to(device)
@@ -124,16 +169,17 @@ def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu") -> MicroBa
     model_kwargs: dict[str, Any] = {}
     if len(items) == 1 and items[0].multimodal:
         model_kwargs = {k: torch.as_tensor(v).to(device) for k, v in items[0].multimodal.items()}
-    return MicroBatch(input_ids=t(ids)[None], position_ids=t(pos)[None], logit_index=t(logit_index),
-                      targets=t(targets), seq_ids=t(seq_ids), rollout_logprobs=t(lp), loss_mask=t(mask),
-                      advantages=t(adv), weights=t(w), items=items, model_kwargs=model_kwargs)
+    return MicroBatch(input_ids=torch.from_numpy(ids_t).to(device), position_ids=torch.from_numpy(pos_t).to(device),
+                      logit_index=t(logit_index), targets=t(targets), seq_ids=t(seq_ids), rollout_logprobs=t(lp),
+                      loss_mask=t(mask), advantages=t(adv), weights=t(w), items=items, model_kwargs=model_kwargs,
+                      real_tokens=sum(lengths))
 
 
-def pack(items: list[TrainItem], max_tokens: int, *, device: Any = "cpu") -> list[MicroBatch]:
-    """Pack items into micro-batches of at most ``max_tokens`` tokens each (no padding)."""
+def pack(items: list[TrainItem], max_tokens: int, *, device: Any = "cpu", rows: bool = True) -> list[MicroBatch]:
+    """Pack items into micro-batches of at most ``max_tokens`` tokens each (see the module docstring)."""
     alone = {i for i, it in enumerate(items) if it.multimodal}
     groups = plan_packs([it.num_tokens for it in items], max_tokens, alone=alone)
-    return [build_micro_batch([items[i] for i in g], device=device) for g in groups]
+    return [build_micro_batch([items[i] for i in g], device=device, rows=rows) for g in groups]
 
 
 def padding_fraction_padded(lengths: list[int], batch_size: int) -> float:

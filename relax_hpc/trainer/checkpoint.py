@@ -70,6 +70,21 @@ def unflatten_optimizer(tensors: dict[str, Any], groups: list[dict[str, Any]]) -
     return {"state": state, "param_groups": groups}
 
 
+def dedupe_shared(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Drop tensors that share storage with an earlier one (tied embeddings); return (tensors, alias -> name)."""
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    out: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    for name, t in sd.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        out[name] = t
+    return out, aliases
+
+
 def save_checkpoint(run_dir: RunDir, step: int, *, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None,
                     state: dict[str, Any], keep: int = 2) -> Path:
     """Publish ``checkpoints/step_<step>`` atomically and move LATEST. Only the leader rank calls this."""
@@ -80,7 +95,8 @@ def save_checkpoint(run_dir: RunDir, step: int, *, model_sd: dict[str, Any], opt
         shutil.rmtree(final)  # re-saving the same step (e.g. on a signal right after a periodic save)
     rng_js, rng_t = rng_state()
     with staged_dir(final) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in model_sd.items()}, str(tmp / "model.safetensors"))
+        unique, aliases = dedupe_shared(model_sd)
+        save_file({k: v.detach().cpu().contiguous() for k, v in unique.items()}, str(tmp / "model.safetensors"))
         groups: list[dict[str, Any]] = []
         if optim_sd is not None:
             ot, groups = flatten_optimizer(optim_sd)
@@ -89,7 +105,8 @@ def save_checkpoint(run_dir: RunDir, step: int, *, model_sd: dict[str, Any], opt
             save_file(rng_t, str(tmp / "optimizer.safetensors"))
         from relax_hpc.fsio import atomic_write_json
 
-        atomic_write_json(tmp / "state.json", {**state, "step": step, "param_groups": groups, "rng": rng_js})
+        atomic_write_json(tmp / "state.json", {**state, "step": step, "param_groups": groups, "rng": rng_js,
+                                                  "aliases": aliases})
     atomic_write_text(run_dir.checkpoints_latest, f"{step}\n")
     _retention(run_dir, keep)
     log.info("checkpoint step %d saved to %s", step, final)
@@ -121,6 +138,8 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, 
 
     state = read_json(path / "state.json")
     model_sd = load_file(str(path / "model.safetensors"))
+    for alias, name in state.get("aliases", {}).items():
+        model_sd[alias] = model_sd[name]
     ot = load_file(str(path / "optimizer.safetensors"))
     rng_t = {k: v for k, v in ot.items() if k.startswith("rng.")}
     ot = {k: v for k, v in ot.items() if not k.startswith("rng.")}

@@ -30,7 +30,7 @@ def sft_step(model: Any, optimizer: Any, pairs: list[tuple[list[int], list[int]]
 
     items = [TrainItem(prompt_ids=np.asarray(p), response_ids=np.asarray(a), rollout_logprobs=np.zeros(len(a)),
                        loss_mask=np.ones(len(a))) for p, a in pairs]
-    mbs = pack(items, max_tokens, device=device)
+    mbs = pack(items, max_tokens, device=device)  # sft: small vocab models use rows too
     n_tok = float(sum(len(a) for _, a in pairs))
     optimizer.zero_grad(set_to_none=True)
     total = 0.0

@@ -51,9 +51,14 @@ class TorchTrainer:
         """Log-probs of the response tokens [T] (and entropies [T]) under ``model`` at the sampling temperature."""
         import torch
 
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                    logits_to_keep=mb.logit_index, **mb.model_kwargs)
-        logits = out.logits[0].float() / self.temperature  # [T, V]
+        if mb.input_ids.shape[0] == 1:  # one row: compute logits only where needed
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                        logits_to_keep=mb.logit_index, **mb.model_kwargs)
+            logits = out.logits[0]
+        else:  # several rows: all logits, then gather (rows are only used when that tensor is small)
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mb.model_kwargs)
+            logits = out.logits.flatten(0, 1)[mb.logit_index]
+        logits = logits.float() / self.temperature  # [T, V]
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, mb.targets[:, None])[:, 0]
         ent = None
@@ -76,6 +81,7 @@ class TorchTrainer:
         self._n_seq = 0.0
         self._n_mb = 0
         self._tokens = 0
+        self._slots = 0
         self._t0 = time.perf_counter()
         self._compute = 0.0
 
@@ -93,7 +99,7 @@ class TorchTrainer:
         t0 = time.perf_counter()
         cfg = self.cfg
         a = cfg.algorithm
-        mbs = pack(items, cfg.trainer.micro_batch_tokens, device=self.device)
+        mbs = pack(items, cfg.trainer.micro_batch_tokens, device=self.device, rows=self._use_rows(items))
         olds: list[Any] = []
         if a.proximal:  # decoupled PPO: the proximal policy is the trainer's own policy before this update
             with torch.no_grad():
@@ -116,7 +122,8 @@ class TorchTrainer:
             for name, v in m.items():
                 self._sums[name] = self._sums.get(name, 0.0) + float(v)
             self._n_tok += float(mb.loss_mask.sum())
-            self._tokens += mb.num_tokens
+            self._tokens += mb.real_tokens
+            self._slots += mb.num_tokens
         self._n_seq += float(len(items))
         self._n_mb += len(mbs)
         self._compute += time.perf_counter() - t0
@@ -152,10 +159,16 @@ class TorchTrainer:
         self.step += 1
         metrics = {k: v / divisor for k, v in sums.items()}
         metrics.update({"train/grad_norm": grad_norm_f, "train/lr": lr, "train/num_micro_batches": float(self._n_mb),
-                        "train/tokens": float(self._tokens), "train/padding_fraction": 0.0,
+                        "train/tokens": float(self._tokens),
+                        "train/padding_fraction": 1.0 - self._tokens / self._slots if self._slots else 0.0,
                         "perf/train_time": self._compute + time.perf_counter() - t0,
                         "train/samples": n_seq})
         return metrics
+
+    def _use_rows(self, items: list[TrainItem]) -> bool:
+        """Several short rows when the full-logits tensor of a micro-batch stays small (small vocabularies)."""
+        vocab = int(getattr(getattr(self.model, "config", None), "vocab_size", 1 << 20))
+        return vocab * self.cfg.trainer.micro_batch_tokens <= (1 << 26)
 
     def _aux_logprobs(self, model: Any, mbs: list[MicroBatch]) -> list[Any]:
         import torch

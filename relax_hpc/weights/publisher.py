@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -98,6 +99,7 @@ class SnapshotPublisher:
         self.debris_after_s = debris_after_s
         self.part_timeout_s = part_timeout_s
         self.events = events
+        self._housekeeping: threading.Thread | None = None
         try:
             for folder in (self.rd.weights, self.rd.weight_leases, self.rd.weight_pins):
                 folder.mkdir(parents=True, exist_ok=True)
@@ -178,10 +180,12 @@ class SnapshotPublisher:
     def clean_debris(self, older_than_s: float | None = None) -> list[Path]:
         """Remove ``.tmp-`` folders and files of killed publishes older than ``older_than_s``."""
         age = self.debris_after_s if older_than_s is None else older_than_s
-        return remove_debris(self.rd.weights, older_than_s=age)
+        return [p for folder in (self.rd.weights, self.rd.weight_leases, self.rd.weight_pins)
+                for p in remove_debris(folder, older_than_s=age)]
 
     # ------------------------------------------------------------------ internals
     def _check_version(self, version: int) -> None:
+        self.wait_housekeeping()
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise SnapshotError(f"snapshot version must be a non-negative integer, got {version!r}")
         latest = latest_version(self.rd)
@@ -348,11 +352,27 @@ class SnapshotPublisher:
             self.events.event("snapshot_published", f"weights v{version:06d}", step=step, version=version,
                               bytes=manifest["total_bytes"], seconds=round(seconds, 3),
                               gb_per_s=round(gb / max(seconds, 1e-9), 3))
+        # Retention and debris removal run beside the caller's next work: deleting gigabytes takes a while, and the
+        # snapshot is already visible. The next publish waits for them first.
+        self._housekeeping = threading.Thread(target=self._housekeep, name="snapshot-retention", daemon=True)
+        self._housekeeping.start()
+
+    def _housekeep(self) -> None:
         try:
             self.apply_retention()
             self.clean_debris()
         except (OSError, SnapshotError) as exc:  # the snapshot is published; housekeeping can wait for next time
             log.warning("snapshot housekeeping in %s failed: %s", self.rd.weights, exc)
+
+    def wait_housekeeping(self, timeout_s: float = 600.0) -> None:
+        """Wait until the retention/debris pass started by the last publish is done (each publish calls this)."""
+        t = self._housekeeping
+        if t is not None:
+            t.join(timeout_s)
+            if t.is_alive():
+                raise WaitTimeout(f"timed out after {timeout_s:.0f}s waiting for snapshot retention in "
+                                  f"{self.rd.weights}")
+            self._housekeeping = None
 
 
 def _fsync(path: Path) -> None:

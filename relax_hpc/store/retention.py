@@ -1,0 +1,47 @@
+"""Retention: what happens to shards below a *committed* position, and to old plan files.
+
+Only :meth:`ConsumerGroup.commit` calls these, after the trainer's checkpoint covering the position is durable, so a
+crash never loses samples. Quarantined shards are never touched (they live in another folder).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax_hpc.rundir import RunDir
+from relax_hpc.store.layout import empty_position, list_shards, read_position
+
+
+def delete_consumed(rd: RunDir, position: dict[str, Any]) -> int:
+    """Delete every shard fully consumed at ``position`` (``seq`` below the writer's entry); returns how many."""
+    n = 0
+    for writer_id, (seq, _, _) in position["writers"].items():
+        for ref in list_shards(rd, writer_id):
+            if ref.seq >= seq:
+                break
+            try:
+                rd.shard_file(writer_id, ref.name).unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
+
+
+def prune_plans(rd: RunDir, consumer: str, below_or_at: int) -> int:
+    """Delete plan files of steps ``<= below_or_at`` (already covered by a committed checkpoint)."""
+    n = 0
+    for p in rd.consumer_plans(consumer).glob("step_*.json"):
+        try:
+            step = int(p.stem[5:])
+        except ValueError:
+            continue
+        if step <= below_or_at:
+            p.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+def consumed_shards(rd: RunDir, consumer: str = "trainer") -> int:
+    """Shards below the committed position still on disk (retention ``keep``, or not retired yet)."""
+    position = read_position(rd.consumer_position(consumer), consumer) or empty_position(consumer)
+    return sum(sum(1 for r in list_shards(rd, w) if r.seq < seq) for w, (seq, _, _) in position["writers"].items())

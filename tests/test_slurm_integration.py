@@ -1,0 +1,208 @@
+"""End to end on a real Slurm cluster with the real roles (tiny model on CPU): the demo in hetjob and in separate
+placement, elastic scale-up/down mid-run, a trainer requeued by ``scontrol requeue`` that resumes from its
+checkpoint, cancel + resume, and a sweep as one job array.
+
+Needs tools/slurm_local.sh start; skipped without a cluster unless RELAX_REQUIRE_SLURM=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax_hpc.errors import UserError
+from relax_hpc.fsio import read_json
+from relax_hpc.launch import slurm_cli
+from relax_hpc.launch.slurm import read_launch_record
+from relax_hpc.rundir import RunDir
+
+pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "recipes" / "demo.yaml"
+# The demo, made small enough for a shared 2-core machine: no warm-up, small batches, checkpoint every step.
+SMALL = ["warmup.steps=0", "rollout.prompts_per_step=4", "rollout.n_samples=4", "rollout.batch_prompts=4",
+         "trainer.checkpoint_every=1", "launch.time_min=30", "launch.signal_delay_s=60"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    from test_slurm_cluster import slurm_env_problem
+
+    problem = slurm_env_problem()
+    if problem is None:
+        return
+    msg = f"no Slurm cluster answers ({problem}); start one with: tools/slurm_local.sh start"
+    if os.environ.get("RELAX_REQUIRE_SLURM") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+@pytest.fixture
+def submitted(cluster: None) -> Iterator[list[RunDir]]:
+    """Run dirs whose recorded jobs are cancelled (by id) at teardown, whatever happened."""
+    rds: list[RunDir] = []
+    yield rds
+    ids = [e["job_id"] for rd in rds for e in (read_json(rd.launch_record, default={}) or {}).get("jobs", [])]
+    slurm_cli.scancel(ids)
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RELAX_HPC_PYTHON", None)
+    return subprocess.run([sys.executable, "-m", "relax_hpc", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def submit(rd_path: Path, *sets: str, runs: list[RunDir]) -> RunDir:
+    args = ["submit", str(DEMO), "--executor", "slurm", "--run-dir", str(rd_path)]
+    for s in [*SMALL, *sets]:
+        args += ["--set", s]
+    res = cli(*args)
+    assert res.returncode == 0, res.stderr
+    rd = RunDir(rd_path)
+    runs.append(rd)
+    return rd
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float) -> Any:
+    end = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(1.0)
+
+
+def active(rd: RunDir) -> bool:
+    ids = [e["job_id"] for e in read_launch_record(rd)["jobs"]]
+    q = slurm_cli.query_jobs(ids, use_sacct=False)
+    return any(r.active for j in ids for r in q.of(j))
+
+
+def records(rd: RunDir, proc: str, kind: str | None = None, event: str | None = None) -> list[dict[str, Any]]:
+    path = rd.event_log(proc)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if (kind is None or rec.get("kind") == kind) and (event is None or rec.get("event") == event):
+            out.append(rec)
+    return out
+
+
+def trainer_steps(rd: RunDir, proc: str = "trainer-0") -> list[int]:
+    return [r["step"] for r in records(rd, proc, "metrics") if r.get("step") and "rollout/reward" in r["metrics"]]
+
+
+def finished_ok(rd: RunDir, timeout_s: float) -> None:
+    wait_until(lambda: not active(rd), "the run's jobs to end", timeout_s)
+    final = read_json(rd.status_file, default=None)
+    tail = ""
+    for out in sorted(rd.slurm.glob("*.out")):
+        tail += f"\n--- {out.name}\n" + "\n".join(out.read_text().splitlines()[-15:])
+    assert isinstance(final, dict) and final.get("state") == "completed", tail
+
+
+def test_demo_hetjob(submitted: list[RunDir], tmp_path: Path) -> None:
+    rd = submit(tmp_path / "het run", "mode=fully_async", "launch.placement=hetjob", "num_steps=3",
+                runs=submitted)
+    (job,) = read_launch_record(rd)["jobs"]
+    assert job["kind"] == "hetjob"
+    finished_ok(rd, 600)
+    assert trainer_steps(rd)[-1] == 3
+    het = {r["proc"]: r.get("slurm_job_id") for r in records(rd, "rollout-0", "event", "started")
+           + records(rd, "rollout-1", "event", "started") + records(rd, "trainer-0", "event", "started")}
+    assert set(het) == {"trainer-0", "rollout-0", "rollout-1"}
+    st = json.loads(cli("status", str(rd.root), "--json").stdout)
+    assert st["state"] == "completed"
+
+
+def test_demo_separate_scaled_up_and_down_mid_run(submitted: list[RunDir], tmp_path: Path) -> None:
+    rd = submit(tmp_path / "sep", "mode=fully_async", "launch.placement=separate", "num_steps=8",
+                "rollout.num_workers=1", runs=submitted)
+    assert [j["kind"] for j in read_launch_record(rd)["jobs"]] == ["trainer", "rollout_array"]
+    wait_until(lambda: trainer_steps(rd), "a first trainer step", 600)
+    res = cli("scale", str(rd.root), "--rollout", "3")
+    assert res.returncode == 0 and "added ranks [1, 2]" in res.stdout, res.stderr
+    wait_until(lambda: records(rd, "rollout-2", "metrics"), "the new worker 2 to produce samples", 600)
+    res = cli("scale", str(rd.root), "--rollout", "1", "--timeout", "300")
+    assert res.returncode == 0 and "drained ranks [2, 1]" in res.stdout, res.stdout + res.stderr
+    assert records(rd, "rollout-2", "event", "stopped") and records(rd, "rollout-1", "event", "stopped")
+    steps_at_drain = trainer_steps(rd)[-1]
+    assert steps_at_drain < 8, "the trainer should still be training"
+    finished_ok(rd, 900)
+    assert trainer_steps(rd)[-1] == 8
+    assert not records(rd, "rollout-0", "event", "stopped") or records(rd, "rollout-0", "metrics")
+
+
+def test_trainer_requeued_by_scontrol_resumes(submitted: list[RunDir], tmp_path: Path) -> None:
+    rd = submit(tmp_path / "rq", "num_steps=6", runs=submitted)
+    (job,) = read_launch_record(rd)["jobs"]
+    wait_until(lambda: len(trainer_steps(rd, "colocate-0")) >= 2, "two steps", 600)
+
+    def requeue() -> bool:
+        try:
+            slurm_cli.requeue(job["job_id"])
+        except UserError:
+            return False
+        return True
+    wait_until(requeue, "scontrol requeue to be accepted", 30)
+    finished_ok(rd, 900)
+    preempted = records(rd, "colocate-0", "event", "preempted")
+    assert preempted, "the trainer should have checkpointed on SIGTERM"
+    ckpt = preempted[0]["step"]
+    steps = trainer_steps(rd, "colocate-0")
+    assert steps[-1] == 6 and ckpt >= 2
+    restarted = [r for r in records(rd, "colocate-0", "event", "started") if r.get("slurm_restart_count") == "1"]
+    assert restarted, "the job should have run again with SLURM_RESTART_COUNT=1"
+    after = [s for s in steps if s > ckpt]
+    assert after and after[0] == ckpt + 1 and steps.count(1) == 1, steps  # resumed, not restarted
+
+
+def test_cancel_then_resume(submitted: list[RunDir], tmp_path: Path) -> None:
+    rd = submit(tmp_path / "cr", "num_steps=5", runs=submitted)
+    wait_until(lambda: trainer_steps(rd, "colocate-0"), "a first step", 600)
+    res = cli("cancel", str(rd.root), "--timeout", "120")
+    assert res.returncode == 0 and "cancelled Slurm job" in res.stdout, res.stderr
+    assert not active(rd)
+    res = cli("resume", str(rd.root))
+    assert res.returncode == 0 and "submitted job" in res.stdout, res.stderr
+    finished_ok(rd, 900)
+    steps = trainer_steps(rd, "colocate-0")
+    assert steps[-1] == 5 and steps.count(1) == 1, steps
+    assert len(read_launch_record(rd)["history"]) == 1
+
+
+def test_sweep_job_array(cluster: None, tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    args = ["sweep", str(DEMO), "--grid", "trainer.lr=1e-3,3e-3", "--parallel", "2", "--sweep-dir", str(sweep_dir),
+            "--executor", "slurm"]
+    for s in [*SMALL, "num_steps=2"]:
+        args += ["--set", s]
+    res = cli(*args)
+    assert res.returncode == 0, res.stderr
+    aid = read_json(sweep_dir / "launch.json")["array_job_id"]
+    try:
+        wait_until(lambda: not any(r.active for r in slurm_cli.query_jobs([aid], use_sacct=False).of(aid)),
+                   "the sweep's job array to end", 900)
+        st = json.loads(cli("sweep-status", str(sweep_dir), "--json").stdout)
+        assert [(r["state"], r["step"]) for r in st["runs"]] == [("completed", 2), ("completed", 2)]
+        assert all("rollout/reward" in r["metrics"] for r in st["runs"])
+        table = cli("sweep-status", str(sweep_dir)).stdout
+        assert "1e-3" in table and "3e-3" in table and "completed" in table
+    finally:
+        slurm_cli.scancel([aid])

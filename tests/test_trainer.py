@@ -1,0 +1,175 @@
+"""The torch trainer: packing without padding, exact equivalence of packed/streamed/accumulated updates,
+checkpoints (safetensors + JSON) that restore model, optimizer and RNG."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from relax_hpc.config.load import validate_dict
+from relax_hpc.models.tiny import build_digits_tokenizer, build_tiny_model
+from relax_hpc.rundir import RunDir
+from relax_hpc.trainer.batch import TrainItem, pack, plan_packs
+from relax_hpc.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from relax_hpc.trainer.torch_trainer import TorchTrainer
+
+
+def make_cfg(**trainer):
+    return validate_dict({"data": {"task": {"name": "reverse_digits"}}, "model": {"path": "tiny"},
+                          "trainer": {"lr": 1e-2, "micro_batch_tokens": 32, "device": "cpu", **trainer},
+                          "rollout": {"sampling": {"max_new_tokens": 8}}})
+
+
+def make_model(seed: int = 0):
+    tok = build_digits_tokenizer()
+    cfg = make_cfg()
+    return build_tiny_model(cfg.model.tiny, len(tok), seed=seed, pad_token_id=tok.pad_token_id), tok
+
+
+def make_items(n: int = 12, seed: int = 0) -> list[TrainItem]:
+    rng = np.random.default_rng(seed)
+    items = []
+    for i in range(n):
+        p = rng.integers(4, 18, size=rng.integers(3, 9))
+        r = rng.integers(4, 18, size=rng.integers(1, 9))
+        mask = np.ones(len(r))
+        if len(r) > 2:
+            mask[1] = 0  # a tool token
+        items.append(TrainItem(prompt_ids=p, response_ids=r, rollout_logprobs=-np.abs(rng.normal(2.5, 0.3, len(r))),
+                               loss_mask=mask, advantage=float(rng.normal()), reward=float(rng.random()),
+                               group_id=f"g{i // 4}"))
+    return items
+
+
+def test_row_width_keeps_padding_small() -> None:
+    from relax_hpc.trainer.batch import choose_row_width
+
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(9, 18, size=128)]
+    width, rows = choose_row_width(lengths, sum(lengths))
+    assert sorted(i for r in rows for i in r) == list(range(128))
+    assert all(sum(lengths[i] for i in r) <= width for r in rows)
+    assert 1 - sum(lengths) / (len(rows) * width) <= 0.05
+    assert width < sum(lengths)  # several rows, not one quadratic row
+
+
+def test_plan_packs_first_fit_and_no_overflow() -> None:
+    lengths = [30, 5, 12, 20, 7, 40, 3]
+    packs = plan_packs(lengths, 32)
+    assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
+    for p in packs:
+        assert len(p) == 1 or sum(lengths[i] for i in p) <= 32
+    assert [5] in packs  # longer than the budget: alone
+
+
+def test_packed_logprobs_equal_unpacked() -> None:
+    model, _ = make_model()
+    cfg = make_cfg()
+    from relax_hpc.algorithms.registry import get_algorithm
+
+    tr = TorchTrainer(cfg, model, device="cpu", dtype=torch.float32, algorithm=get_algorithm("grpo"))
+    items = make_items(8)
+    one_row = pack(items, 64, rows=False)
+    assert len(one_row) < len(items)  # really packed
+    assert all(mb.input_ids.shape[0] == 1 and mb.num_tokens == mb.real_tokens for mb in one_row)  # no padding
+    rows = pack(items, 64, rows=True)
+    assert all(mb.real_tokens == sum(it.num_tokens for it in mb.items) for mb in rows)
+    for mb in one_row + rows:
+        logp, _ = tr.sequence_logprobs(model, mb)
+        for s, it in enumerate(mb.items):
+            ids = torch.tensor(np.concatenate([it.prompt_ids, it.response_ids]))[None]
+            ref = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), -1)
+            p = len(it.prompt_ids)
+            want = ref[p - 1:-1].gather(-1, torch.tensor(it.response_ids)[:, None])[:, 0]
+            torch.testing.assert_close(logp[mb.seq_ids == s], want, atol=1e-5, rtol=1e-5)
+
+
+def _run_update(items_parts: list[list[TrainItem]], micro_batch_tokens: int) -> dict[str, torch.Tensor]:
+    from relax_hpc.algorithms.registry import get_algorithm
+
+    model, _ = make_model()
+    tr = TorchTrainer(make_cfg(micro_batch_tokens=micro_batch_tokens), model, device="cpu", dtype=torch.float32,
+                      algorithm=get_algorithm("grpo"))
+    tr.begin_step()
+    for part in items_parts:
+        tr.accumulate(copy.deepcopy(part))
+    m = tr.finish_step()
+    assert m["train/padding_fraction"] == 0.0
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_streamed_and_micro_batched_updates_equal_one_big_batch() -> None:
+    items = make_items(12)
+    one = _run_update([items], 10_000)
+    micro = _run_update([items], 24)  # many micro-batches
+    streamed = _run_update([items[:4], items[4:8], items[8:]], 24)  # groups arriving over time
+    for k in one:
+        torch.testing.assert_close(micro[k], one[k], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(streamed[k], one[k], atol=2e-5, rtol=1e-4)
+    base, _ = make_model()
+    assert any(not torch.equal(base.state_dict()[k], one[k]) for k in one)  # it did update
+
+
+def test_checkpoint_roundtrip_restores_model_optimizer_and_rng(tmp_path) -> None:
+    from relax_hpc.algorithms.registry import get_algorithm
+
+    rd = RunDir.create(tmp_path / "run")
+    model, _ = make_model()
+    tr = TorchTrainer(make_cfg(), model, device="cpu", dtype=torch.float32, algorithm=get_algorithm("grpo"))
+    tr.train_step(make_items(8, seed=1))
+    save_checkpoint(rd, 1, model_sd=tr.full_state_dict(), optim_sd=tr.full_optimizer_state(),
+                    state={"data": {"epoch": 0, "index": 16}, "store_position": {"writers": {}}})
+    after_rng = torch.rand(3)
+    path = latest_checkpoint(rd)
+    assert path is not None and path.name == "step_00000001"
+    assert not list(path.glob("*.pt")) and not list(path.glob("*.pkl"))  # no pickles on the shared filesystem
+    model2, _ = make_model(seed=5)
+    tr2 = TorchTrainer(make_cfg(), model2, device="cpu", dtype=torch.float32, algorithm=get_algorithm("grpo"))
+    msd, osd, state = load_checkpoint(path)
+    tr2.load_full_state(msd, osd)
+    assert state["data"] == {"epoch": 0, "index": 16}
+    torch.testing.assert_close(torch.rand(3), after_rng)  # RNG restored to the saved point
+    for k, v in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[k], v)
+    # the same next update from both
+    items = make_items(8, seed=2)
+    tr.train_step(copy.deepcopy(items))
+    tr2.train_step(copy.deepcopy(items))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(model2.state_dict()[k], v, atol=1e-6, rtol=1e-5)
+
+
+def test_checkpoint_retention_and_latest(tmp_path) -> None:
+    rd = RunDir.create(tmp_path / "run")
+    model, _ = make_model()
+    for step in (1, 2, 3):
+        save_checkpoint(rd, step, model_sd=model.state_dict(), optim_sd=None, state={}, keep=2)
+    names = sorted(p.name for p in rd.checkpoints.glob("step_*"))
+    assert names == ["step_00000002", "step_00000003"]
+    assert latest_checkpoint(rd).name == "step_00000003"
+
+
+@pytest.mark.parametrize("bad", ["cuda"])
+def test_gpu_requested_without_gpu_is_user_error(bad: str) -> None:
+    from relax_hpc.errors import UserError
+    from relax_hpc.models.load import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(UserError, match="no CUDA device"):
+        resolve_device(bad)
+
+
+def test_missing_model_path_is_user_error(tmp_path) -> None:
+    from relax_hpc.config.schema import ModelConfig
+    from relax_hpc.errors import UserError
+    from relax_hpc.models.load import load_model, load_tokenizer
+
+    with pytest.raises(UserError, match="does not exist"):
+        load_tokenizer(ModelConfig(path=str(tmp_path / "no-model")))
+    tok = build_digits_tokenizer()
+    with pytest.raises(UserError, match="does not exist"):
+        load_model(ModelConfig(path=str(tmp_path / "no-model")), tok, device="cpu", dtype=torch.float32)
