@@ -6,6 +6,7 @@ import logging
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 from relax_hpc.launch.exitcodes import EXIT_FAILED, EXIT_USER_ERROR
 from relax_hpc.rundir import RunDir, proc_name
@@ -35,7 +36,7 @@ def _log_to_file(run_dir: RunDir, proc: str) -> None:
     root.setLevel(logging.INFO)
 
 
-def _set_threads(cfg, role: str) -> None:  # noqa: ANN001
+def _set_threads(cfg: Any, role: str) -> None:
     """Intra-op threads = the role's CPUs (oversubscribed OpenMP threads spin and slow everything down)."""
     import os
 

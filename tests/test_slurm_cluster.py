@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from relax_hpc.bench.slurm import use_local_cluster
 from relax_hpc.config.load import config_to_json, validate_dict
 from relax_hpc.errors import UserError
 from relax_hpc.fsio import atomic_write_json, read_json
@@ -33,20 +35,10 @@ pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def slurm_env_problem() -> str | None:
-    """Point SLURM_CONF at the local cluster when unset; return why Slurm is unusable (None if it answers)."""
-    if "SLURM_CONF" not in os.environ:
-        env_file = Path(os.environ.get("RELAX_SLURM_ENV", "/tmp/relax-slurm/slurm.env"))
-        if env_file.is_file():
-            for line in env_file.read_text().splitlines():
-                if line.startswith("export SLURM_CONF="):
-                    os.environ["SLURM_CONF"] = line.split("=", 1)[1].strip()
-    return slurm_cli.slurm_problem(timeout_s=10)
-
-
 @pytest.fixture(scope="session")
 def slurm() -> None:
-    problem = slurm_env_problem()
+    use_local_cluster()  # SLURM_CONF of tools/slurm_local.sh's cluster, when unset
+    problem = slurm_cli.slurm_problem(timeout_s=10)
     if problem is None:
         return
     msg = f"no Slurm cluster answers ({problem}); start one with: tools/slurm_local.sh start"
@@ -57,9 +49,13 @@ def slurm() -> None:
 
 @pytest.fixture
 def standin(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from test_slurm_standin import write_wrapper
-
-    return str(write_wrapper(tmp_path_factory.mktemp("standin")))
+    """An executable the scripts use as their interpreter: it runs test_slurm_standin.py instead of the roles."""
+    path = tmp_path_factory.mktemp("standin") / "standin-python"
+    program = Path(__file__).resolve().parent / "test_slurm_standin.py"
+    path.write_text(f"#!/bin/bash\nexport PYTHONPATH={shlex.quote(str(ROOT))}\n"
+                    f"exec {shlex.quote(sys.executable)} {shlex.quote(str(program))} \"$@\"\n")
+    path.chmod(0o755)
+    return str(path)
 
 
 @pytest.fixture
@@ -219,6 +215,18 @@ def test_usr2_before_the_limit_requeues_and_resumes(runs: Callable[..., Any], st
     assert "requeued job" in rd.slurm_output("colocate", job_id).read_text()
 
 
+@pytest.mark.slow
+def test_time_limit_signal_from_slurm_requeues(runs: Callable[..., Any], standin: str) -> None:
+    """The real thing: --signal=USR2@50 with a 1-minute limit; slurmctld signals the steps, the job requeues."""
+    rd, cfg = runs(num_steps=10_000, launch__time_min=1, launch__signal_delay_s=50)
+    job_id = launch(rd, cfg, python=standin)["jobs"][0]["job_id"]
+    second = wait_until(lambda: events(rd, "colocate-0", "incarnation")[1:], "a second incarnation", 150)[0]
+    assert second["slurm_restart_count"] == "1" and second["resumed_from"] > 0
+    assert events(rd, "colocate-0", "checkpointed")[0]["signal"] == "SIGUSR2"
+    assert "requeued job" in rd.slurm_output("colocate", job_id).read_text()
+    cancel_run(rd, timeout_s=60)
+
+
 def test_external_scontrol_requeue_resumes(runs: Callable[..., Any], standin: str) -> None:
     """``scontrol requeue`` (SIGTERM to the steps): the trainer checkpoints, Slurm reruns the job, it resumes."""
     rd, cfg = runs(num_steps=8, mode="fully_async", launch__placement="separate", rollout__num_workers=1)
@@ -355,3 +363,27 @@ def test_sweep_is_one_job_array(slurm: None, standin: str, tmp_path: Path) -> No
         assert status["jobs"][0]["job_id"] == f"{record['array_job_id']}_2"
     finally:
         slurm_cli.scancel([record["array_job_id"]])
+
+
+def test_cancel_a_sweep(slurm: None, standin: str, tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: sw\nmode: colocate\nnum_steps: 1000\ndata: {task: {name: reverse_digits}}\n"
+                      "launch: {time_min: 10, signal_delay_s: 30}\n")
+    sweep_dir = tmp_path / "sweep"
+    res = cli("sweep", str(recipe), "--grid", "trainer.lr=1e-6,3e-6,1e-5", "--parallel", "2", "--sweep-dir",
+              str(sweep_dir), "--executor", "slurm", env={"RELAX_HPC_PYTHON": standin})
+    assert res.returncode == 0, res.stderr
+    aid = read_json(sweep_dir / "launch.json")["array_job_id"]
+    try:
+        runs = [RunDir(r["run_dir"]) for r in read_json(sweep_dir / "sweep.json")["runs"]]
+        wait_until(lambda: events(runs[0], "colocate-0", "incarnation") and events(runs[1], "colocate-0",
+                                                                                    "incarnation"),
+                   "two combinations to run")
+        res = cli("cancel", str(sweep_dir), "--timeout", "60")
+        assert res.returncode == 0 and f"cancelled Slurm job(s) {aid}" in res.stdout, res.stderr
+        q = slurm_cli.query_jobs([aid], use_sacct=False)
+        assert not any(r.active for r in q.of(aid))
+        assert events(runs[0], "colocate-0", "checkpointed")[0]["signal"] == "SIGTERM"
+        assert not events(runs[2], "colocate-0", "incarnation")  # never started: %2
+    finally:
+        slurm_cli.scancel([aid])

@@ -201,3 +201,24 @@ def test_render_cli_prints_plain_scripts(tmp_path: Path) -> None:
                           "launch.trainer.slurm.gress=gpu:1"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert bad.returncode == 2 and "unknown Slurm parameter 'gress'" in bad.stderr and "gres (default" in bad.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_local_sweep_runs_every_combination(tmp_path: Path) -> None:
+    """Without Slurm the same grid runs through the local executor, two combinations at a time."""
+    sweep_dir = tmp_path / "local sweep"
+    args = ["sweep", str(ROOT / "recipes" / "demo.yaml"), "--grid", "trainer.lr=1e-3,3e-3", "--parallel", "2",
+            "--sweep-dir", str(sweep_dir), "--executor", "local", "--timeout", "900"]
+    for s in ("warmup.steps=0", "rollout.prompts_per_step=4", "rollout.n_samples=4", "rollout.batch_prompts=4",
+              "num_steps=2"):
+        args += ["--set", s]
+    res = subprocess.run([sys.executable, "-m", "relax_hpc", *args], capture_output=True, text=True, timeout=960,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    st = sweep_status(sweep_dir)
+    assert [(r["state"], r["step"]) for r in st["runs"]] == [("completed", 2), ("completed", 2)]
+    assert all(isinstance(r["metrics"].get("rollout/reward"), float) for r in st["runs"])
+    assert "completed" in res.stdout and "1e-3" in res.stdout
+    record = read_json(sweep_dir / "launch.json")
+    assert record["executor"] == "local" and record["exit_codes"] == {"0": 0, "1": 0}

@@ -17,11 +17,9 @@ Every incarnation logs an ``incarnation`` event with its Slurm ids and the step 
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import sys
 import time
-from pathlib import Path
 
 STEP_S = float(os.environ.get("STANDIN_STEP_S", "0.5"))
 
@@ -106,18 +104,6 @@ def main(argv: list[str]) -> int:
     hb.stop("stopped")
     log.event("finished", step=cfg["num_steps"])
     return 0
-
-
-def write_wrapper(folder: Path) -> Path:
-    """An executable that the sbatch scripts can use as their interpreter: it runs this stand-in."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "standin-python"
-    src = Path(__file__).resolve()
-    root = src.parent.parent
-    path.write_text(f"#!/bin/bash\nexport PYTHONPATH={shlex.quote(str(root))}\n"
-                    f"exec {shlex.quote(sys.executable)} {shlex.quote(str(src))} \"$@\"\n")
-    path.chmod(0o755)
-    return path
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import os, sys, time
+import os, sys, time, traceback
 import torch
 torch.set_num_threads(1)
 from relax_hpc.weights import Shard, SnapshotPublisher, SnapshotReader
@@ -36,8 +36,22 @@ def model(v):
     return {f"layers.{i}.w": torch.full((256, 256), float(v)) for i in range(8)}
 
 
-if role == "rank":
-    rank, world = int(sys.argv[3]), int(sys.argv[4])
+def forked(fn, *args):
+    # torch is imported once, here; each role still runs in a process of its own (fork before any torch op)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fn(*args)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        os._exit(code)
+    return pid
+
+
+def rank_main(rank, world):
     full = torch.arange(world * 4 * 5, dtype=torch.float32).reshape(world * 4, 5)
     part = {"shared": full[rank * 4:(rank + 1) * 4], f"own.{rank}": torch.full((3,), float(rank)).bfloat16()}
     time.sleep(0.2 * (world - rank))  # the leader does not come last
@@ -45,31 +59,29 @@ if role == "rank":
     pub.publish_part(part, version=1, step=10, rank=rank, world_size=world, token="job7",
                      shards={"shared": Shard(0, rank * 4, tuple(full.shape))})
     print("done", rank, flush=True)
-elif role == "spawner":  # forks publishers on demand so each kill trial does not pay for importing torch
-    for line in sys.stdin:
-        if line.strip() != "go":
-            break
-        pid = os.fork()
-        if pid == 0:
-            pub = SnapshotPublisher(run, keep_last=2, max_file_bytes=600_000, debris_after_s=3600)
-            while True:
-                v = pub.next_version()
-                pub.publish(model(v), v, v)
-        print(pid, flush=True)
-        _, status = os.waitpid(pid, 0)
-        print("reaped", status, flush=True)
-elif role == "writer":
+
+
+def publish_forever():
+    pub = SnapshotPublisher(run, keep_last=2, max_file_bytes=600_000, debris_after_s=3600)
+    while True:
+        v = pub.next_version()
+        pub.publish(model(v), v, v)
+
+
+def writer_main(seconds):
     pub = SnapshotPublisher(run, keep_last=2, max_file_bytes=600_000)
-    end = time.monotonic() + float(sys.argv[3])
+    end = time.monotonic() + seconds
     while time.monotonic() < end:
         v = pub.next_version()
         pub.publish(model(v), v, v)
     pub.wait_housekeeping()
     print("published", v, flush=True)
-elif role == "reader":
+
+
+def reader_main(seconds):
     reader = SnapshotReader(run, name="rollout-1")
     seen = set()
-    end = time.monotonic() + float(sys.argv[3])
+    end = time.monotonic() + seconds
     while time.monotonic() < end:
         if reader.poll() is None:
             time.sleep(0.001)
@@ -80,6 +92,26 @@ elif role == "reader":
             assert bool((t == float(v)).all()), f"v{v}: {k} holds another version"
         seen.add(v)
     print("loaded", len(seen), flush=True)
+
+
+if role == "ranks":  # world_size processes, one per rank
+    world = int(sys.argv[3])
+    pids = [forked(rank_main, r, world) for r in range(world)]
+    codes = [os.waitpid(pid, 0)[1] for pid in pids]
+    sys.exit(0 if not any(codes) else 1)
+elif role == "spawner":  # forks a publisher on demand; the test kills it by its pid
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        pid = forked(publish_forever)
+        print(pid, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print("reaped", status, flush=True)
+elif role == "writer_and_reader":
+    seconds = float(sys.argv[3])
+    pids = [forked(writer_main, seconds), forked(reader_main, seconds)]
+    codes = [os.waitpid(pid, 0)[1] for pid in pids]
+    sys.exit(0 if not any(codes) else 1)
 """
 
 
@@ -105,8 +137,8 @@ def finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[str]:
 
 def test_three_ranks_publish_parts(tmp_path):
     rd = RunDir.create(tmp_path / "run")
-    outs = finish([child("rank", str(rd.root), str(r), "3") for r in range(3)])
-    assert all(f"done {r}" in out for r, out in enumerate(outs))
+    (out,) = finish([child("ranks", str(rd.root), "3")])
+    assert all(f"done {r}" in out for r in range(3))
     version, sd, m = SnapshotReader(rd).load()
     assert version == 1 and m["world_size"] == 3 and len(m["files"]) == 3
     assert torch.equal(sd["shared"], torch.arange(60, dtype=torch.float32).reshape(12, 5))
@@ -158,10 +190,9 @@ def test_publisher_killed_mid_write_never_breaks_latest(tmp_path):
 def test_reader_never_sees_a_partial_snapshot(tmp_path):
     rd = RunDir.create(tmp_path / "run")
     SnapshotPublisher(rd).publish({f"layers.{i}.w": torch.zeros(256, 256) for i in range(8)}, 0, 0)
-    writer, reader = child("writer", str(rd.root), "5"), child("reader", str(rd.root), "5")
-    out_w, out_r = finish([writer, reader])
-    published = int(out_w.split()[-1])
-    loaded = int(out_r.split()[-1])
-    assert published >= 10, out_w
-    assert loaded >= 3, out_r  # it loaded several different versions while they were being published and deleted
+    (out,) = finish([child("writer_and_reader", str(rd.root), "4")])
+    published = int(out.split("published")[1].split()[0])
+    loaded = int(out.split("loaded")[1].split()[0])
+    assert published >= 10, out
+    assert loaded >= 3, out  # it loaded several different versions while they were being published and deleted
     assert len(complete_versions(rd)) <= 3

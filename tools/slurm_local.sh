@@ -115,7 +115,7 @@ cmd_status() {
     if alive "$f" slurmd; then echo "slurmd $(basename "$f" .pid | sed 's/^slurmd-//'): running (pid $(cat "$f"))"
     else echo "slurmd $(basename "$f" .pid): dead"; ok=1; fi
   done
-  if [ -f "$SLURM_CONF" ] && timeout 10 sinfo >/dev/null 2>&1; then
+  if alive "$D/run/slurmctld.pid" slurmctld && [ -f "$SLURM_CONF" ] && timeout 10 sinfo >/dev/null 2>&1; then
     timeout 10 sinfo
     echo "SLURM_CONF=$SLURM_CONF   (source $D/slurm.env)"
   else

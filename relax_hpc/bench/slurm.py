@@ -38,6 +38,21 @@ launch: {time_min: 5, signal_delay_s: 30}
 """
 
 
+def use_local_cluster() -> None:
+    """When SLURM_CONF is unset, point it at the cluster of tools/slurm_local.sh (``$RELAX_SLURM_ENV``, else
+    ``/tmp/relax-slurm/slurm.env``), as ``source slurm.env`` would. Nothing changes when the file is missing."""
+    if "SLURM_CONF" in os.environ:
+        return
+    env_file = Path(os.environ.get("RELAX_SLURM_ENV", "/tmp/relax-slurm/slurm.env"))
+    try:
+        lines = env_file.read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        if line.startswith("export SLURM_CONF="):
+            os.environ["SLURM_CONF"] = line.split("=", 1)[1].strip()
+
+
 def held_array(n: int) -> str:
     """Submit a held ``n``-task array of trivial jobs (they never run); returns its id. Cancel it by id."""
     res = slurm_cli._run(["sbatch", "--parsable", "--hold", f"--array=0-{n - 1}", "--job-name=relax-bench",
@@ -137,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--repeat", type=int, default=5, help="measurements per figure (the median is reported)")
     args = p.parse_args(argv)
+    use_local_cluster()
     problem = slurm_cli.slurm_problem()
     if problem:
         print(f"error: no Slurm to measure ({problem}); start one with tools/slurm_local.sh start", file=sys.stderr)

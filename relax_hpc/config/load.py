@@ -109,6 +109,11 @@ def read_recipe_file(path: Path | str) -> dict[str, Any]:
         p = Path(data_section["path"]).expanduser()
         if not p.is_absolute():
             data_section["path"] = str((path.parent / p).resolve())
+    reward = data.get("reward")
+    if isinstance(reward, dict) and isinstance(reward.get("name"), str):
+        mod, sep, fn = reward["name"].rpartition(":")
+        if sep and mod.endswith(".py") and not Path(mod).expanduser().is_absolute():
+            reward["name"] = f"{(path.parent / mod).resolve()}:{fn}"
     return data
 
 

@@ -28,6 +28,9 @@ class ProgressFeed:
         self.task = self.progress.add_task(cfg.name, total=cfg.num_steps, info="starting ...")
         self.first_reward: float | None = None
         self.last: dict[str, Any] = {}
+        self.run_dir = run_dir
+        self._alerts: Any = None
+        self._next_alert_check = time.monotonic() + 10.0
         self.progress.start()
 
     def tick(self) -> None:
@@ -49,6 +52,24 @@ class ProgressFeed:
                 self.progress.update(self.task, completed=int(rec["step"]), info=info)
             elif rec.get("kind") in ("event", "alert") and rec.get("level") in ("warning", "error"):
                 self.console.print(f"[yellow]{proc}: {rec.get('event')}: {rec.get('message')}[/yellow]")
+
+        if time.monotonic() >= self._next_alert_check:
+            self._next_alert_check = time.monotonic() + 10.0
+            self.check_alerts()
+
+    def check_alerts(self) -> None:
+        """Dead roles, NaN losses and stalls: notify (Apprise URLs of the recipe) and write them to the event log."""
+        from relax_hpc.monitor.alerts import AlertWatcher
+        from relax_hpc.monitor.state import RunMonitor
+
+        try:
+            if self._alerts is None:
+                self._alerts = (AlertWatcher(self.run_dir, self.cfg.monitor), RunMonitor(self.run_dir))
+            watcher, monitor = self._alerts
+            for alert in watcher.check(monitor.refresh()):
+                self.console.print(f"[red]alert: {alert}[/red]")
+        except Exception as exc:  # alerting must never stop the launcher
+            self.console.print(f"[yellow]alert check failed: {exc}[/yellow]")
 
     def close(self) -> None:
         self.tick()

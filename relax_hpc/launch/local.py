@@ -126,7 +126,7 @@ def supervise(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc], *, on_
                 terminate(others, timeout_s=30)
                 return 0
             for p in others:
-                if p.popen.poll() is not None and p.proc not in reported:
+                if p.popen.poll() not in (None, 0) and p.proc not in reported:
                     reported.add(p.proc)
                     print(f"warning: {p.proc} exited with code {p.popen.returncode}; the run goes on",
                           file=sys.stderr)

@@ -38,6 +38,8 @@ def _run(argv: Sequence[str], *, timeout_s: float = TIMEOUT_S, env: dict[str, st
 
 def _one_line(text: str, command: str) -> str:
     """Slurm's error output as one line, without the repeated ``sbatch: error:`` prefixes."""
+    if "Could not establish a configuration source" in text:
+        return "no Slurm configuration found here (is SLURM_CONF set? e.g. source /tmp/relax-slurm/slurm.env)"
     parts = []
     for line in text.splitlines():
         line = line.strip()

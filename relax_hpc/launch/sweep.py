@@ -215,9 +215,9 @@ def _last_metrics(path: Path, max_bytes: int = 1 << 20) -> dict[str, Any] | None
     return fallback
 
 
-def sweep_status(sweep_dir: Path | str) -> dict[str, Any]:
+def sweep_status(sweep_dir: SweepDir | Path | str) -> dict[str, Any]:
     """Per combination: overrides, state, last step and final metrics (plus the array task's Slurm state)."""
-    sd = SweepDir(sweep_dir)
+    sd = sweep_dir if isinstance(sweep_dir, SweepDir) else SweepDir(sweep_dir)
     manifest = read_json(sd.manifest, default=None)
     if not isinstance(manifest, dict):
         raise UserError(f"{sd.root} is not a sweep dir (no {sd.manifest.name})")
@@ -277,11 +277,12 @@ def format_sweep_status(st: dict[str, Any], metrics: Sequence[str] = ("rollout/r
     return "\n".join(lines)
 
 
-def cancel_sweep(sweep_dir: Path | str, *, timeout_s: float = 30.0, wait: bool = True) -> dict[str, Any]:
+def cancel_sweep(sweep_dir: SweepDir | Path | str, *, timeout_s: float = 30.0, wait: bool = True
+                 ) -> dict[str, Any]:
     """Cancel a sweep: its job array (by id) on Slurm, or its recorded local submit processes (SIGTERM)."""
     from relax_hpc.launch.runctl import proc_alive
 
-    sd = SweepDir(sweep_dir)
+    sd = sweep_dir if isinstance(sweep_dir, SweepDir) else SweepDir(sweep_dir)
     record = read_json(sd.launch_record, default={}) or {}
     out: dict[str, Any] = {"cancelled_jobs": [], "signalled_pids": [], "killed_pids": [], "still_active": []}
     if record.get("executor") == "slurm" and record.get("array_job_id"):

@@ -40,9 +40,14 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     """The tokenizer named by ``model.tokenizer`` (default: ``model.path``; ``builtin:digits`` for tiny)."""
     from relax_hpc.models.tiny import build_digits_tokenizer
 
-    name = cfg.tokenizer or ("builtin:digits" if cfg.path == "tiny" else cfg.path)
+    default = "builtin:digits" if cfg.tiny.arch == "qwen3" else "builtin:bpe"
+    name = cfg.tokenizer or (default if cfg.path == "tiny" else cfg.path)
     if name == "builtin:digits":
         return build_digits_tokenizer()
+    if name == "builtin:bpe":
+        from relax_hpc.models.multimodal import build_tiny_bpe_tokenizer
+
+        return build_tiny_bpe_tokenizer()
     if _is_local(name) and not Path(name).expanduser().exists():
         raise UserError(f"tokenizer path {name} does not exist")
     from transformers import AutoTokenizer
@@ -59,7 +64,11 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
 
 def load_model(cfg: ModelConfig, tokenizer: Any, *, device: str, dtype: Any, seed: int | None = None) -> Any:
     """The policy model on ``device`` in ``dtype``. ``tiny`` builds random weights from ``cfg.tiny``."""
-    if cfg.path == "tiny":
+    if cfg.path == "tiny" and cfg.tiny.arch != "qwen3":
+        from relax_hpc.models.multimodal import build_tiny_multimodal_model
+
+        model = build_tiny_multimodal_model(cfg.tiny, tokenizer, seed=cfg.init_seed if seed is None else seed)
+    elif cfg.path == "tiny":
         from relax_hpc.models.tiny import build_tiny_model
 
         model = build_tiny_model(cfg.tiny, len(tokenizer), seed=cfg.init_seed if seed is None else seed,
@@ -68,14 +77,29 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, device: str, dtype: Any, see
     else:
         if _is_local(cfg.path) and not Path(cfg.path).expanduser().exists():
             raise UserError(f"model path {cfg.path} does not exist")
-        from transformers import AutoModelForCausalLM
-
         src = str(Path(cfg.path).expanduser()) if _is_local(cfg.path) else cfg.path
         try:
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            model = _auto_class(src, cfg.trust_remote_code).from_pretrained(
+                src, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         except OSError as exc:
             raise UserError(f"cannot load model {cfg.path!r}: {str(exc).splitlines()[0]}") from exc
     model.to(device=device, dtype=dtype)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+def _auto_class(src: str, trust_remote_code: bool) -> Any:
+    """The transformers class that loads this model: vision-language and audio models are not plain causal LMs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code).model_type
+    if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    if model_type == "qwen2_audio":
+        from transformers import Qwen2AudioForConditionalGeneration
+
+        return Qwen2AudioForConditionalGeneration
+    return AutoModelForCausalLM

@@ -126,8 +126,7 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
             "store/backlog_samples": float(backlog(run_dir).samples) if rank == 0 else 0.0,
             **{f"rollout/staleness_hist_{k}": float((st == k).sum()) for k in range(cfg.max_staleness + 2)},
         })
-        if rank == 0:
-            events.metrics(metrics, step=trainer.step)
+        session.log_metrics(metrics, trainer.step)
         hb.beat(step=trainer.step, version=session.version)
         log.info("step %d/%d reward %.3f (%.2fs, waited %.2fs)", trainer.step, cfg.num_steps,
                  metrics["rollout/reward"], step_time, t_wait)
@@ -137,6 +136,7 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
             session.checkpoint({"store_position": pos})
             if rank == 0:
                 consumer.commit(pos)
+        session.close()
         events.event("preempted", "checkpointed after a signal; exiting for requeue", step=trainer.step)
         hb.stop("stopped")
         return EXIT_REQUEUE
@@ -146,6 +146,7 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         total = time.perf_counter() - t_run
         atomic_write_json(run_dir.status_file, {"state": "completed", "steps": trainer.step, "time": time.time(),
                                                 "train_seconds": total, "train_wait_seconds": wait_total})
+    session.close()
     events.event("finished", f"done after {trainer.step} steps", step=trainer.step)
     hb.stop("stopped")
     return EXIT_OK

@@ -124,8 +124,7 @@ def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_siz
             "weights/version": float(session.version), "rollout/staleness_mean": 0.0,
             "reward/errors": float(getattr(scored, "num_errors", 0)),
         })
-        if rank == 0:
-            events.metrics(metrics, step=trainer.step)
+        session.log_metrics(metrics, trainer.step)
         hb.beat(step=trainer.step, version=session.version)
         log.info("step %d/%d reward %.3f loss %.4f (%.2fs)", trainer.step, cfg.num_steps,
                  metrics.get("rollout/reward", float("nan")), metrics.get("train/loss", float("nan")), step_time)
@@ -134,6 +133,7 @@ def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_siz
             session.checkpoint({"data": stream.state(), "store_position": consumer.position})
             if rank == 0:
                 consumer.commit(consumer.position)
+        session.close()
         events.event("preempted", "checkpointed after a signal; exiting for requeue", step=trainer.step)
         hb.stop("stopped")
         return EXIT_REQUEUE
@@ -143,6 +143,7 @@ def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_siz
         from relax_hpc.fsio import atomic_write_json
 
         atomic_write_json(run_dir.status_file, {"state": "completed", "steps": trainer.step, "time": time.time()})
+    session.close()
     events.event("finished", f"done after {trainer.step} steps", step=trainer.step)
     hb.stop("stopped")
     return EXIT_OK

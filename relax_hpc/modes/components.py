@@ -72,8 +72,10 @@ def build_algorithm(cfg: RecipeConfig) -> Any:
 
 def build_prompt_stream(cfg: RecipeConfig, tokenizer: Any, *, seed_offset: int = 0) -> Any:
     from relax_hpc.data import PromptDataset, make_stream
+    from relax_hpc.models.multimodal import build_preprocessor
 
-    return make_stream(PromptDataset(cfg.data, tokenizer, seed=cfg.seed + seed_offset))
+    mm = build_preprocessor(cfg.model, tokenizer)
+    return make_stream(PromptDataset(cfg.data, tokenizer, seed=cfg.seed + seed_offset, multimodal=mm))
 
 
 def build_reward_runner(cfg: RecipeConfig) -> Any:

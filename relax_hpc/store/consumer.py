@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from relax_hpc.errors import CorruptShardError, RunDirError, StoreError, WaitTimeout
+from relax_hpc.errors import CorruptShardError, RunDirError, StoreError, UserError, WaitTimeout
 from relax_hpc.fsio import atomic_write_json, read_json, refresh_nfs_cache, remove_debris, wait_for
 from relax_hpc.rundir import RunDir
 from relax_hpc.store.layout import (
@@ -67,9 +67,9 @@ class ConsumerGroup:
         header_cache: int = 1024,
     ):
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+            raise UserError(f"rank must be in [0, {world_size}), got {rank}")
         if retention not in ("delete", "keep"):
-            raise ValueError(f"retention must be 'delete' or 'keep', got {retention!r}")
+            raise UserError(f"retention must be 'delete' or 'keep', got {retention!r}")
         self.run_dir = open_run_dir(run_dir)
         self.name = check_consumer(name)
         self.rank, self.world_size = rank, world_size
@@ -98,7 +98,7 @@ class ConsumerGroup:
     @property
     def position(self) -> dict[str, Any]:
         """The position after the last plan this rank planned or accepted (or the resumed/committed one)."""
-        return self._base
+        return copy.deepcopy(self._base)
 
     def _set_base(self, position: dict[str, Any]) -> None:
         self._base = position
@@ -126,11 +126,11 @@ class ConsumerGroup:
         if not self.is_leader:
             raise StoreError(f"only rank 0 plans; rank {self.rank} calls wait_plan({step})")
         if (num_samples is None) == (num_groups is None):
-            raise ValueError("give exactly one of num_samples and num_groups")
+            raise UserError("give exactly one of num_samples and num_groups")
         if (num_samples or num_groups or 0) < 1:
-            raise ValueError("num_samples / num_groups must be >= 1")
+            raise UserError("num_samples / num_groups must be >= 1")
         if stale_policy not in ("drop", "flag"):
-            raise ValueError(f"stale_policy must be 'drop' or 'flag', got {stale_policy!r}")
+            raise UserError(f"stale_policy must be 'drop' or 'flag', got {stale_policy!r}")
         if step <= self._last_step:
             raise StoreError(
                 f"step {step} is not after the last planned step {self._last_step} of consumer {self.name!r}"

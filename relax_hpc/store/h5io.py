@@ -43,6 +43,22 @@ def close(fid: Any) -> None:
     fid.close()
 
 
+def abandon(fid: Any) -> None:
+    """Close a file whose write failed (full disk, I/O error) without touching the disk again.
+
+    HDF5 cannot close a file it cannot flush, and would retry (and fail) when the id is garbage collected. Its
+    descriptor is pointed at an anonymous in-memory file first, so the close succeeds and the space of the
+    (deleted) temporary file is released.
+    """
+    with contextlib.suppress(Exception):
+        fd = fid.get_vfd_handle()
+        mem = os.memfd_create("relax-hpc-abandoned-shard") if hasattr(os, "memfd_create") else os.open(os.devnull, 1)
+        os.dup2(mem, fd)
+        os.close(mem)
+    with contextlib.suppress(Exception):
+        fid.close()
+
+
 def create_dataset(fid: Any, name: str, dtype: np.dtype, length: int) -> Any:
     """A contiguous 1-D dataset (``a/b`` creates group ``a``)."""
     from h5py import h5d, h5p, h5s, h5t

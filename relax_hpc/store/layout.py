@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.errors import StoreError
-from relax_hpc.fsio import TMP_PREFIX, atomic_write_json, read_json
+from relax_hpc.errors import StoreError, UserError
+from relax_hpc.fsio import atomic_write_json, read_json
 from relax_hpc.rundir import RunDir
 
 log = logging.getLogger("relax_hpc.store")
@@ -86,14 +86,14 @@ class ShardRef:
 def check_writer_id(writer_id: str) -> str:
     """Validate a writer id (a folder name): letters, digits, ``_.-``, at most 128 characters."""
     if not isinstance(writer_id, str) or not WRITER_RE.match(writer_id):
-        raise ValueError(f"writer_id must match {WRITER_RE.pattern}, got {writer_id!r}")
+        raise UserError(f"writer_id must match {WRITER_RE.pattern}, got {writer_id!r}")
     return writer_id
 
 
 def check_consumer(name: str) -> str:
     """Validate a consumer group name."""
     if not isinstance(name, str) or not CONSUMER_RE.match(name):
-        raise ValueError(f"consumer name must match {CONSUMER_RE.pattern}, got {name!r}")
+        raise UserError(f"consumer name must match {CONSUMER_RE.pattern}, got {name!r}")
     return name
 
 
@@ -207,8 +207,3 @@ def quarantine(rd: RunDir, ref: ShardRef, reason: str, *, detected_by: str = "")
         return False
     log.warning("quarantined corrupt shard %s -> %s: %s", src, dst, reason)
     return True
-
-
-def is_debris(name: str) -> bool:
-    """True for a writer's temporary file (cleaned by ``fsio.remove_debris``)."""
-    return name.startswith(TMP_PREFIX)

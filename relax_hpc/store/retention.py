@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax_hpc.rundir import RunDir
-from relax_hpc.store.layout import empty_position, list_shards, read_position
+from relax_hpc.store.layout import list_shards
 
 
 def delete_consumed(rd: RunDir, position: dict[str, Any]) -> int:
@@ -39,9 +39,3 @@ def prune_plans(rd: RunDir, consumer: str, below_or_at: int) -> int:
             p.unlink(missing_ok=True)
             n += 1
     return n
-
-
-def consumed_shards(rd: RunDir, consumer: str = "trainer") -> int:
-    """Shards below the committed position still on disk (retention ``keep``, or not retired yet)."""
-    position = read_position(rd.consumer_position(consumer), consumer) or empty_position(consumer)
-    return sum(sum(1 for r in list_shards(rd, w) if r.seq < seq) for w, (seq, _, _) in position["writers"].items())

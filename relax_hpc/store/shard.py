@@ -23,7 +23,6 @@ everything needed to locate data; a shard whose header fails, or that does not o
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -44,7 +43,6 @@ from relax_hpc.store.sample import (
 )
 
 FORMAT = "relax-hpc-shard/1"
-BASE_DATASETS = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "reward", "sample_json")
 OFFSETS_OF = {
     "prompt_ids": "prompt_offsets",
     "response_ids": "response_offsets",
@@ -108,10 +106,13 @@ class EncodedShard:
                     h5io.write_slice(ds, pos, a.reshape(-1))
                     pos += a.size
         except BaseException:
-            with contextlib.suppress(Exception):
-                h5io.close(fid)
+            h5io.abandon(fid)
             raise
-        h5io.close(fid)
+        try:
+            h5io.close(fid)  # flushes HDF5 metadata: may hit a full disk too
+        except BaseException:
+            h5io.abandon(fid)
+            raise
         if fsync:
             fd = os.open(path, os.O_RDONLY)
             try:

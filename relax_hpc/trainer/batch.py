@@ -190,3 +190,14 @@ def padding_fraction_padded(lengths: list[int], batch_size: int) -> float:
         total += sum(chunk)
         padded += max(chunk) * len(chunk)
     return 0.0 if padded == 0 else 1.0 - total / padded
+
+
+def response_logits(model: Any, mb: MicroBatch) -> Any:
+    """Logits [T, V] that predict each response token of ``mb``."""
+    if mb.input_ids.shape[0] == 1:  # one row: compute logits only where needed
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                    logits_to_keep=mb.logit_index, **mb.model_kwargs)
+        return out.logits[0]
+    # several rows: all logits, then gather (rows are only used when that tensor is small)
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mb.model_kwargs)
+    return out.logits.flatten(0, 1)[mb.logit_index]

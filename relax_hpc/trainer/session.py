@@ -34,6 +34,23 @@ class TrainerSession:
         self.publisher = SnapshotPublisher(run_dir, keep_last=cfg.weights.keep_last) if rank == 0 else None
         self.version = 0
         self.last_checkpoint_step = -1
+        self.sinks = None
+        if rank == 0:
+            from relax_hpc.monitor.sinks import make_sinks
+
+            self.sinks = make_sinks(run_dir, cfg.monitor, events.proc, cfg.model_dump(mode="json"))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """One step's metrics: the event log (always) and TensorBoard / W&B when the recipe enables them."""
+        if self.rank != 0:
+            return
+        self.events.metrics(metrics, step=step)
+        if self.sinks is not None:
+            self.sinks.log(metrics, step)
+
+    def close(self) -> None:
+        if self.sinks is not None:
+            self.sinks.close()
 
     def resume(self) -> dict[str, Any] | None:
         """Load the latest checkpoint if there is one. Returns its state JSON (or None for a fresh start)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from relax_hpc.trainer.batch import TrainItem, pack
+from relax_hpc.trainer.batch import TrainItem, pack, response_logits
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,7 @@ def sft_step(model: Any, optimizer: Any, pairs: list[tuple[list[int], list[int]]
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for mb in mbs:
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                    logits_to_keep=mb.logit_index, **mb.model_kwargs)
-        logp = torch.log_softmax(out.logits[0].float(), -1).gather(-1, mb.targets[:, None])[:, 0]
+        logp = torch.log_softmax(response_logits(model, mb).float(), -1).gather(-1, mb.targets[:, None])[:, 0]
         loss = -(logp * mb.loss_mask).sum() / n_tok
         loss.backward()
         total += float(loss.detach())

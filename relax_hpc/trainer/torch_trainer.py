@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
-from relax_hpc.trainer.batch import MicroBatch, TrainItem, pack
+from relax_hpc.trainer.batch import MicroBatch, TrainItem, pack, response_logits
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,7 @@ class TorchTrainer:
         """Log-probs of the response tokens [T] (and entropies [T]) under ``model`` at the sampling temperature."""
         import torch
 
-        if mb.input_ids.shape[0] == 1:  # one row: compute logits only where needed
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                        logits_to_keep=mb.logit_index, **mb.model_kwargs)
-            logits = out.logits[0]
-        else:  # several rows: all logits, then gather (rows are only used when that tensor is small)
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mb.model_kwargs)
-            logits = out.logits.flatten(0, 1)[mb.logit_index]
-        logits = logits.float() / self.temperature  # [T, V]
+        logits = response_logits(model, mb).float() / self.temperature  # [T, V]
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, mb.targets[:, None])[:, 0]
         ent = None

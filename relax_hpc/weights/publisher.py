@@ -87,7 +87,7 @@ def _part_meta(folder: Path, rank: int) -> Path:
 class SnapshotPublisher:
     """Writes weight snapshots into ``RUN_DIR/weights`` and applies retention. One publisher (leader) per run."""
 
-    def __init__(self, run_dir: RunDir | Path | str, *, keep_last: int = 3, max_file_bytes: int = 2 << 30,
+    def __init__(self, run_dir: RunDir | Path | str, *, keep_last: int = 3, max_file_bytes: int = 512 << 20,
                  debris_after_s: float = 600.0, part_timeout_s: float = 600.0, events: EventLog | None = None):
         self.rd = RunDir.open(run_dir.root if isinstance(run_dir, RunDir) else run_dir)
         if keep_last < 1:
