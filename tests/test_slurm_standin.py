@@ -1,13 +1,14 @@
 """A stand-in for ``python -m relax_hpc role ...`` used by the Slurm plumbing tests (no tests in this file).
 
-The rendered sbatch scripts run ``"$RELAX_PYTHON" -m relax_hpc role ROLE --run-dir DIR [--rank N]``; the tests set
-RELAX_PYTHON to a wrapper that runs this program instead, so that Slurm's side (placements, ranks, signals,
-requeues, arrays, drains) is tested in seconds without any model. It keeps the role contract:
+The rendered sbatch scripts run ``"$RELAX_PYTHON" -m relax_hpc role ROLE --run-dir DIR [--rank N]``; the tests
+render them with an interpreter (``launch(python=...)`` or ``$RELAX_HPC_PYTHON``) that runs this program instead, so
+that Slurm's side (placements, ranks, signals, requeues, arrays, drains) is tested in seconds without any model. It
+keeps the role contract:
 
-* trainer / colocate: ``steps`` steps of ``step_s`` seconds (from ``config.json``: ``num_steps``, and
-  ``monitor.stall_minutes`` is unused); a checkpoint (``checkpoints/LATEST`` holding the step) every step; resumes
-  from it; on SIGUSR2/SIGTERM it checkpoints and exits 3; at the end writes ``STATUS.json`` and exits 0. A trainer
-  of a fully_async run first waits (bounded) for ``rollout.num_workers`` rollout heartbeats.
+* trainer / colocate: ``num_steps`` steps (from ``config.json``) of ``$STANDIN_STEP_S`` seconds; a checkpoint
+  (``checkpoints/LATEST`` holding the step) every step; resumes from it; on SIGUSR2/SIGTERM it checkpoints and exits
+  3; at the end writes ``STATUS.json`` and exits 0. A trainer of a fully_async run first waits (bounded) for
+  ``rollout.num_workers`` rollout heartbeats.
 * rollout: beats until ``STATUS.json`` appears (exit 0), a drain request arrives (exit 0) or SIGUSR2/SIGTERM (exit 3);
   with STANDIN_ROLLOUT_FAIL=1 in its environment it fails at once (exit 1).
 

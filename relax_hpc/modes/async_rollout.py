@@ -52,6 +52,11 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     rewards = C.build_reward_runner(cfg)
     writer = ShardWriter(run_dir, writer_id)
     reader = SnapshotReader(run_dir, name=proc)
+    fast = None
+    if cfg.weights.fast_path == "auto":
+        from relax_hpc.weights.fastpath import FastPathClient
+
+        fast = FastPathClient(run_dir, rank, device=policy.device)
 
     def finished() -> bool:
         return run_dir.status_file.exists()
@@ -66,10 +71,14 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     while not (finished() or stop.is_set or drain_requested(run_dir, proc)):
         t_sync = 0.0
         newest = latest_version(run_dir)
+        sync_path = ""
         if newest is not None and (engine.version != newest or counter == 0):
             t0 = time.perf_counter()
-            version = reader.load_into(policy.model, newest, verify=cfg.weights.verify)
-            engine.version = version if isinstance(version, int) else newest
+            got = fast.pull(engine.version if counter else -1, policy.model) if fast is not None else None
+            if got is not None and got >= newest:
+                engine.version, sync_path = got, "fast"
+            else:  # the files are the truth: late joiners, a broken link, or no fast path
+                engine.version, sync_path = reader.load_into(policy.model, newest, verify=cfg.weights.verify), "file"
             t_sync = time.perf_counter() - t0
             hb.beat(version=engine.version)
         t0 = time.perf_counter()
@@ -101,10 +110,14 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
         counter += len(batch)
         if groups:
             writer.write(groups)
+        sync_metrics = {f"perf/update_weights_time_{sync_path}": t_sync} if sync_path else {}
         events.metrics({"rollout/generate_time": t_gen, "perf/rollout_pause_time": pause,
                         "perf/update_weights_time": t_sync, "rollout/version": float(engine.version),
+                        "weights/fast_path_used": float(sync_path == "fast"), **sync_metrics,
                         "rollout/groups": float(len(groups)), **counts}, step=engine.version)
         hb.beat(step=counter, version=engine.version)
+    if fast is not None:
+        fast.close()
     events.event("stopped", f"rollout worker {rank} stopping after {counter} prompts "
                             f"(paused {pause_total:.1f}s)", step=engine.version)
     hb.stop("stopped")

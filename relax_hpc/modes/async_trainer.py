@@ -64,6 +64,12 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
             events.metrics(m, step=0)
     session.version = trainer.step
     session.publish()  # the rollout workers start from this version (a no-op if it is already published)
+    fast = None
+    if cfg.weights.fast_path == "auto" and rank == 0:
+        from relax_hpc.weights.fastpath import FastPathServer
+
+        fast = FastPathServer(run_dir, cfg.rollout.num_workers, device=policy.device)
+        fast.update(trainer.step, trainer.full_state_dict())
     P = cfg.rollout.prompts_per_step
     hb.beat(state="running", step=trainer.step, version=session.version, force=True)
     t_run = time.perf_counter()
@@ -105,7 +111,12 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         session.version = trainer.step
         t_sync = 0.0
         if trainer.step % cfg.weights.publish_every == 0 or trainer.step == cfg.num_steps:
-            t_sync = session.publish()
+            sd = trainer.full_state_dict()
+            t_sync = session.publish(sd)
+            if fast is not None:
+                t0 = time.perf_counter()
+                fast.update(trainer.step, sd)
+                t_sync += time.perf_counter() - t0
         if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
             pos = consumer.position_after(plan_seq)
             session.checkpoint({"store_position": pos})
@@ -140,6 +151,8 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         events.event("preempted", "checkpointed after a signal; exiting for requeue", step=trainer.step)
         hb.stop("stopped")
         return EXIT_REQUEUE
+    if fast is not None:
+        fast.close()
     if cfg.trainer.export_final:
         session.export()
     if rank == 0:
