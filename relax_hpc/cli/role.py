@@ -30,4 +30,13 @@ def run(args: argparse.Namespace) -> int:
     from relax_hpc.roles import run_role
 
     rank = args.rank if args.rank is not None else default_rank()
-    return run_role(args.run_dir, args.role, rank)
+    code = run_role(args.run_dir, args.role, rank)
+    # A role may leave communication threads blocked inside gloo/NCCL (the weight fast path); letting the
+    # interpreter tear them down aborts the process. Everything durable is already on disk: flush and leave.
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

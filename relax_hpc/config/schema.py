@@ -311,7 +311,7 @@ class StoreConfig(Section):
 
 # ---------------------------------------------------------------------------------------------------------- launch
 class RoleResources(Section):
-    """Slurm resources of one role (ignored by the local executor, except ``env``)."""
+    """Slurm resources of one role (ignored by the local executor, except ``env`` and ``cpu_affinity``)."""
 
     nodes: int = Field(1, ge=1)
     """Nodes for this role."""
@@ -331,9 +331,20 @@ class RoleResources(Section):
     """Extra ``#SBATCH`` lines, e.g. ``--reservation=rl``."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables for this role."""
+    cpu_affinity: list[int] | None = None
+    """Local executor only: pin every process of this role to these CPU ids (``os.sched_setaffinity``), e.g. ``[0]``
+    for the trainer and ``[1]`` for the rollout worker on a 2-core machine. None = no pinning. Slurm ignores it (use
+    ``--cpu-bind`` through ``slurm`` or ``extra_sbatch`` there)."""
     slurm: dict[str, str | int | float | bool] = Field(default_factory=dict)
     """More Slurm parameters by name (``exclude``, ``gres``, ``nodelist``, ``exclusive``, ``mail_type`` ...; the
     names of submitit's Slurm executor). An unknown name is an error listing the valid ones."""
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cpu_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(c < 0 for c in v)):
+            raise ValueError("cpu_affinity must be a non-empty list of CPU ids >= 0 (or null for no pinning)")
+        return v
 
     @field_validator("slurm")
     @classmethod

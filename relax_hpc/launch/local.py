@@ -12,10 +12,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.errors import UserError
 from relax_hpc.fsio import atomic_write_json, read_json
 from relax_hpc.rundir import RunDir, proc_name
 
@@ -54,8 +56,23 @@ def start_role(run_dir: RunDir, cfg: RecipeConfig, role: str, rank: int, *, num_
         popen = subprocess.Popen(
             [sys.executable, "-m", "relax_hpc", "role", role, "--run-dir", str(run_dir.root), "--rank", str(rank)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            preexec_fn=_pin(res.cpu_affinity),
         )
     return LocalProc(role, rank, popen)
+
+
+def _pin(cpus: list[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` pinning the child to ``cpus`` before it starts any thread (None: no pinning).
+
+    CPUs this process may not use are an error here, in the launcher, rather than a failed exec in the child."""
+    if not cpus:
+        return None
+    allowed = os.sched_getaffinity(0)
+    if not set(cpus) <= allowed:
+        raise UserError(f"cpu_affinity {cpus}: CPUs {sorted(set(cpus) - allowed)} are not available here "
+                        f"(allowed: {sorted(allowed)})")
+    mask = set(cpus)
+    return lambda: os.sched_setaffinity(0, mask)
 
 
 def record(run_dir: RunDir, procs: list[LocalProc], *, append: bool = False) -> None:

@@ -104,15 +104,20 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
         completions = engine.generate([p.prompt_ids for p in batch], cfg.rollout.n_samples,
                                       multimodal=[p.multimodal for p in batch])
         t_gen = time.perf_counter() - t0
+        t0 = time.perf_counter()
         _, scored = score_completions(rewards, policy.tokenizer, batch, completions)
+        t_reward = time.perf_counter() - t0
         groups, counts = build_groups(batch, completions, scored, writer_id=writer_id, counter=counter,
                                       version=engine.version)
         counter += len(batch)
+        t0 = time.perf_counter()
         if groups:
             writer.write(groups)
+        t_write = time.perf_counter() - t0
         sync_metrics = {f"perf/update_weights_time_{sync_path}": t_sync} if sync_path else {}
         events.metrics({"rollout/generate_time": t_gen, "perf/rollout_pause_time": pause,
                         "perf/update_weights_time": t_sync, "rollout/version": float(engine.version),
+                        "perf/reward_time": t_reward, "perf/store_write_time": t_write,
                         "weights/fast_path_used": float(sync_path == "fast"), **sync_metrics,
                         "rollout/groups": float(len(groups)), **counts}, step=engine.version)
         hb.beat(step=counter, version=engine.version)

@@ -79,6 +79,7 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         trainer.begin_step()
         have = 0
         t_wait = 0.0
+        t_plan = t_read = t_prep = 0.0
         stale_dropped = 0
         staleness: list[int] = []
         rewards_all: list[float] = []
@@ -91,19 +92,25 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
                 wait_for(lambda: backlog(run_dir).groups > 0 or stop.is_set,
                          what=f"samples for step {trainer.step + 1}", timeout_s=cfg.store.wait_timeout_s,
                          max_poll_s=0.05, logger=log)
+                t1 = time.perf_counter()
                 plan = consumer.plan(plan_seq, num_groups=P - have, min_version=min_version,
                                      stale_policy=cfg.store.stale_policy, wait=False)
+                t_plan += time.perf_counter() - t1
             else:
                 plan = consumer.wait_plan(plan_seq, timeout_s=cfg.store.wait_timeout_s)
             t_wait += time.perf_counter() - t0
             have += int(plan.stats.get("groups", 0))
             stale_dropped += int(plan.stats.get("stale_dropped_samples", 0))
+            t1 = time.perf_counter()
             items = samples_to_items(consumer.read(plan))
+            t_read += time.perf_counter() - t1
             if not items:
                 continue
             staleness += [session.version - it.version for it in items]
             rewards_all += [it.reward for it in items]
+            t1 = time.perf_counter()
             prep = prepare_items(items, cfg, algorithm)
+            t_prep += time.perf_counter() - t1
             for k, v in prep.metrics.items():
                 prep_metrics.setdefault(k, []).append(v)
             trainer.accumulate(prep.items)
@@ -117,11 +124,13 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
                 t0 = time.perf_counter()
                 fast.update(trainer.step, sd)
                 t_sync += time.perf_counter() - t0
+        t_ckpt = time.perf_counter()
         if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
             pos = consumer.position_after(plan_seq)
             session.checkpoint({"store_position": pos})
             if rank == 0:
                 consumer.commit(pos)
+        t_ckpt = time.perf_counter() - t_ckpt
         step_time = time.perf_counter() - t_step
         wait_total += t_wait
         st = np.asarray(staleness or [0])
@@ -131,6 +140,8 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
             "perf/step_time": step_time, "perf/train_wait_time": t_wait,
             "perf/train_idle_fraction": t_wait / step_time if step_time > 0 else 0.0,
             "perf/update_weights_time": t_sync, "perf/samples_per_s": len(rewards_all) * world_size / step_time,
+            "perf/store_plan_time": t_plan, "perf/store_read_time": t_read, "perf/prepare_time": t_prep,
+            "perf/checkpoint_time": t_ckpt,
             "perf/tokens_per_s": metrics.get("train/tokens", 0.0) * world_size / step_time,
             "weights/version": float(session.version), "rollout/staleness_mean": float(st.mean()),
             "rollout/staleness_max": float(st.max()), "rollout/stale_dropped": float(stale_dropped),

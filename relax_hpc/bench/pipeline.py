@@ -1,0 +1,537 @@
+"""``relax-hpc bench pipeline``: colocate vs fully_async on the demo recipe, same trainer steps, same cores.
+
+``relax-hpc bench pipeline [--json] [--steps 60] [--set KEY=VALUE ...] [--device cpu|cuda] [--out DIR] [--keep]``
+
+Layout. Two CPUs A, B (``--cores``; default the first two this process may use). colocate: one process pinned to
+{A, B} with 2 threads. fully_async: one trainer pinned to A and one rollout worker pinned to B, 1 thread each
+(``launch.<role>.cpu_affinity``). With ``--device cuda`` every role also uses the same GPU.
+
+Timing. Each mode's seconds come from the trainer's metric lines (event-log timestamps), from the end of step 1 to
+the end of the last step: process start-up, the supervised warm-up and step 1 (first-call allocations, the pipeline
+filling) are excluded from both modes alike, so ``timed_steps = steps - 1``.
+
+The bound. ``t_gen`` (generating one step's prompts_per_step x n_samples completions with the hf engine) and
+``t_train`` (forward + backward + optimizer step on such a batch) are measured alone, after both runs, each in a
+subprocess pinned like its role in the fully_async layout (same CPU, same threads, same device), with the recipe's
+settings and the weights the fully_async run ended with (so response lengths are those of the end of the run).
+A perfect pipeline is bounded by its slower role::
+
+    efficiency_vs_ideal = timed_steps * max(t_gen, t_train) / fully_async_seconds
+    ideal_speedup       = (t_gen + t_train) / max(t_gen, t_train)   # overlap alone, vs taking turns
+
+Everything else a step does (rewards, store writes and reads, snapshot publishing, weight loading, polling, logging)
+counts against the pipeline; ``breakdown`` says where it goes (ms per trainer step, over the timed steps). A role's
+``busy`` time is the time in its timed phases; ``idle = 1 - busy / seconds`` (waiting for the other role, plus the
+untimed loop overhead: ``wait`` and ``pause`` are the waiting part alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.rundir import RunDir
+
+DEMO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml"
+TIMING = ("trainer event-log timestamps from the end of step 1 to the end of the last step; process start-up, the "
+          "supervised warm-up and step 1 are excluded")
+TRAINER_PHASES = {  # breakdown name -> metric of the trainer-side metric line (per step)
+    "plan": "perf/store_plan_time", "read": "perf/store_read_time", "prepare": "perf/prepare_time",
+    "train_compute": "perf/train_time", "publish": "perf/update_weights_time", "checkpoint": "perf/checkpoint_time",
+}
+COLOCATE_PHASES = {
+    "generate": "perf/rollout_time", "reward": "perf/reward_time", "store_write": "perf/store_write_time",
+    "plan_read": "perf/store_read_time", "prepare": "perf/prepare_time", "train_compute": "perf/train_time",
+    "publish": "perf/update_weights_time", "checkpoint": "perf/checkpoint_time",
+}
+ROLLOUT_PHASES = {
+    "generate": "rollout/generate_time", "reward": "perf/reward_time", "store_write": "perf/store_write_time",
+    "weight_load": "perf/update_weights_time",
+}
+
+
+# ------------------------------------------------------------------------------------------------ running a mode
+@dataclass
+class ModeRun:
+    """One finished run of a mode: its run dir, exit code and the metric lines of its processes."""
+
+    mode: str
+    run_dir: RunDir
+    exit_code: int
+    steps: list[dict[str, Any]]
+    """The trainer side's metric records of steps >= 1 (``time`` + ``metrics``), in step order."""
+    rollout: list[dict[str, Any]] = field(default_factory=list)
+    """The rollout worker's metric records (fully_async)."""
+    finished: bool = False
+
+
+def read_records(run_dir: RunDir, proc: str) -> list[dict[str, Any]]:
+    """Every parseable record of one process's event log (a missing log is empty)."""
+    path = run_dir.event_log(proc)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def run_mode(recipe: Path, overrides: list[str], root: Path, *, timeout_s: float) -> ModeRun:
+    """Create a run dir, launch the recipe's roles as local processes, wait (at most ``timeout_s``), read logs."""
+    from relax_hpc.cli.submit import prepare_run_dir
+    from relax_hpc.errors import WaitTimeout
+    from relax_hpc.launch import local
+
+    run_dir, cfg = prepare_run_dir(argparse.Namespace(recipe=str(recipe), overrides=overrides, run_dir=str(root)))
+    procs = local.launch(run_dir, cfg)
+    deadline = time.monotonic() + timeout_s
+
+    def check_deadline() -> None:
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"{cfg.mode} run did not finish within {timeout_s:.0f}s; logs: {run_dir.logs}")
+
+    try:
+        code = local.supervise(run_dir, cfg, procs, on_tick=check_deadline, poll_s=0.2)
+    finally:
+        local.terminate(procs, timeout_s=30)
+    main = "colocate-0" if cfg.mode == "colocate" else "trainer-0"
+    recs = read_records(run_dir, main)
+    steps = [r for r in recs if r.get("kind") == "metrics" and (r.get("step") or 0) >= 1
+             and "perf/step_time" in r.get("metrics", {})]
+    finished = any(r.get("kind") == "event" and r.get("event") == "finished" for r in recs)
+    rollout = [r for r in read_records(run_dir, "rollout-0") if r.get("kind") == "metrics"]
+    return ModeRun(cfg.mode, run_dir, code, steps, rollout, finished)
+
+
+# ------------------------------------------------------------------------------------------------ figures
+def _num(m: dict[str, Any], key: str) -> float:
+    v = m.get(key, 0.0)
+    return float(v) if isinstance(v, (int, float)) else float("nan")
+
+
+def _sum(records: list[dict[str, Any]], key: str) -> float:
+    return sum(_num(r["metrics"], key) for r in records)
+
+
+@dataclass
+class Window:
+    """The timed part of a run: trainer steps 2..N, from the end of step 1 to the end of step N."""
+
+    start: float
+    end: float
+    steps: list[dict[str, Any]]
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+
+def timed_window(run: ModeRun, num_steps: int) -> Window:
+    by_step = {int(r["step"]): r for r in run.steps}
+    missing = [s for s in range(1, num_steps + 1) if s not in by_step]
+    if missing:
+        raise RuntimeError(f"{run.mode} run logged no metrics for steps {missing[:5]} (exit code {run.exit_code}); "
+                           f"logs: {run.run_dir.logs}")
+    return Window(float(by_step[1]["time"]), float(by_step[num_steps]["time"]),
+                  [by_step[s] for s in range(2, num_steps + 1)])
+
+
+def final_reward(run: ModeRun, last: int) -> tuple[float, float]:
+    """Mean ``rollout/reward`` of the last ``last`` steps and its standard error (over steps)."""
+    vals = [_num(r["metrics"], "rollout/reward") for r in run.steps[-last:]]
+    vals = [v for v in vals if math.isfinite(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    mean = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return mean, math.sqrt(var / len(vals))
+
+
+def per_step(records: list[dict[str, Any]], phases: dict[str, str], num_steps: int) -> dict[str, float]:
+    """Seconds per trainer step spent in each phase (summed over ``records``, divided by ``num_steps``)."""
+    return {name: _sum(records, key) / num_steps for name, key in phases.items()}
+
+
+def summarize_colocate(run: ModeRun, w: Window) -> dict[str, Any]:
+    n = w.num_steps
+    phases = per_step(w.steps, COLOCATE_PHASES, n)
+    step_time = _sum(w.steps, "perf/step_time") / n
+    phases["other_in_step"] = step_time - sum(phases.values())
+    phases["between_steps"] = w.seconds / n - step_time
+    return {"seconds": w.seconds, "samples": _sum(w.steps, "train/samples"), "breakdown": phases}
+
+
+def summarize_async(run: ModeRun, w: Window) -> dict[str, Any]:
+    n = w.num_steps
+    tr = per_step(w.steps, TRAINER_PHASES, n)
+    wait = (_sum(w.steps, "perf/train_wait_time") - _sum(w.steps, "perf/store_plan_time")) / n
+    step_time = _sum(w.steps, "perf/step_time") / n
+    trainer = {"wait": wait, **tr, "other_in_step": step_time - wait - sum(tr.values()),
+               "between_steps": w.seconds / n - step_time}
+    trainer_busy = sum(tr.values()) * n / w.seconds
+    inside = [r for r in run.rollout if w.start < float(r["time"]) <= w.end and "rollout/generate_time" in r["metrics"]]
+    ro = per_step(inside, ROLLOUT_PHASES, n)
+    pause = _sum(inside, "perf/rollout_pause_time") / n
+    rollout = {"pause": pause, **ro, "other": w.seconds / n - pause - sum(ro.values())}
+    rollout_busy = sum(ro.values()) * n / w.seconds
+    clamp = lambda x: min(1.0, max(0.0, x))  # noqa: E731
+    return {
+        "seconds": w.seconds, "samples": _sum(w.steps, "train/samples"),
+        "trainer_idle_fraction": clamp(1.0 - trainer_busy), "trainer_wait_fraction": clamp(wait * n / w.seconds),
+        "rollout_idle_fraction": clamp(1.0 - rollout_busy), "rollout_pause_fraction": clamp(pause * n / w.seconds),
+        "staleness_mean": _sum(w.steps, "rollout/staleness_mean") / n,
+        "stale_dropped": _sum(w.steps, "rollout/stale_dropped"),
+        "fast_path_fraction": (_sum(inside, "weights/fast_path_used") / len(inside)) if inside else 0.0,
+        "rollout_batches": len(inside),
+        "breakdown": {"trainer": trainer, "rollout": rollout},
+    }
+
+
+# ------------------------------------------------------------------------------------------------ roles alone
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def alone_gen(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int) -> dict[str, float]:
+    """The rollout worker's per-step work, alone: load the newest snapshot, generate one step's prompts, score them,
+    write the groups to ``scratch``'s store (what :func:`alone_train` then trains on). Means over ``iters``."""
+    import torch
+
+    from relax_hpc.modes import components as C
+    from relax_hpc.roles import load_run_config
+    from relax_hpc.rollout.groups import build_groups, score_completions
+    from relax_hpc.rollout.hf_engine import HFEngine
+    from relax_hpc.store import ShardWriter
+    from relax_hpc.weights import SnapshotReader, latest_version
+
+    cfg = load_run_config(run_dir)
+    torch.set_num_threads(cfg.launch.rollout.cpus_per_task)
+    C.seed_everything(cfg.seed)
+    policy = C.build_policy(cfg, device_pref=cfg.rollout.device)
+    reader = SnapshotReader(run_dir, name="bench-alone")
+    version = latest_version(run_dir)
+    engine = HFEngine(policy.model, policy.tokenizer, cfg.rollout.sampling, device=policy.device,
+                      batch_prompts=cfg.rollout.batch_prompts, seed=cfg.seed)
+    stream = C.build_prompt_stream(cfg, policy.tokenizer, seed_offset=1000)
+    rewards = C.build_reward_runner(cfg)
+    writer = ShardWriter(scratch, "bench-gen.0")
+    times: dict[str, list[float]] = {k: [] for k in ROLLOUT_PHASES}
+    P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples
+    for i in range(warmup + iters):
+        t = {}
+        t0 = time.perf_counter()
+        engine.version = reader.load_into(policy.model, version, verify=cfg.weights.verify)
+        _sync(policy.device)
+        t["weight_load"] = time.perf_counter() - t0
+        batch = stream.next_batch(P)
+        t0 = time.perf_counter()
+        completions = engine.generate([p.prompt_ids for p in batch], n, multimodal=[p.multimodal for p in batch])
+        t["generate"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _, scored = score_completions(rewards, policy.tokenizer, batch, completions)
+        t["reward"] = time.perf_counter() - t0
+        groups, _ = build_groups(batch, completions, scored, writer_id="bench-gen.0", counter=i * P,
+                                 version=engine.version)
+        t0 = time.perf_counter()
+        writer.write(groups)
+        t["store_write"] = time.perf_counter() - t0
+        if i >= warmup:
+            for k, v in t.items():
+                times[k].append(v)
+    return {k: _mean(v) for k, v in times.items()}
+
+
+def alone_train(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int) -> dict[str, float]:
+    """The trainer's per-step work, alone, on the groups :func:`alone_gen` wrote: plan, read, prepare, train
+    (forward + backward + optimizer step), publish a snapshot (to ``scratch``). Means over ``iters``."""
+    import torch
+
+    from relax_hpc.modes import components as C
+    from relax_hpc.roles import load_run_config
+    from relax_hpc.rollout.groups import samples_to_items
+    from relax_hpc.store import ConsumerGroup
+    from relax_hpc.trainer.prepare import prepare_items
+    from relax_hpc.trainer.torch_trainer import TorchTrainer
+    from relax_hpc.weights import SnapshotPublisher, SnapshotReader, latest_version
+
+    cfg = load_run_config(run_dir)
+    torch.set_num_threads(cfg.launch.trainer.cpus_per_task)
+    C.seed_everything(cfg.seed)
+    policy = C.build_policy(cfg, device_pref=cfg.trainer.device)
+    SnapshotReader(run_dir, name="bench-alone").load_into(policy.model, latest_version(run_dir))
+    algorithm = C.build_algorithm(cfg)
+    ref, teacher = C.build_aux_models(cfg, policy)
+    trainer = TorchTrainer(cfg, policy.model, device=policy.device, dtype=policy.dtype, algorithm=algorithm,
+                           ref_model=ref, teacher=teacher)
+    consumer = ConsumerGroup(scratch, "trainer", retention="keep")
+    publisher = SnapshotPublisher(scratch, keep_last=cfg.weights.keep_last)
+    times: dict[str, list[float]] = {k: [] for k in ("plan", "read", "prepare", "train_compute", "publish")}
+    P = cfg.rollout.prompts_per_step
+    for i in range(warmup + iters):
+        t = {}
+        t0 = time.perf_counter()
+        plan = consumer.plan(i, num_groups=P, min_version=0, wait=False)
+        t["plan"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        items = samples_to_items(consumer.read(plan))
+        t["read"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        prep = prepare_items(items, cfg, algorithm)
+        t["prepare"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trainer.train_step(prep.items)
+        _sync(policy.device)
+        t["train_compute"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        publisher.publish(trainer.full_state_dict(), version=trainer.step, step=trainer.step)
+        t["publish"] = time.perf_counter() - t0
+        if i >= warmup:
+            for k, v in t.items():
+                times[k].append(v)
+    return {k: _mean(v) for k, v in times.items()}
+
+
+def measure_alone(role: str, run_dir: RunDir, scratch: RunDir, *, cpus: list[int], iters: int, warmup: int,
+                  timeout_s: float) -> dict[str, float]:
+    """Run :func:`alone_gen` or :func:`alone_train` in a fresh subprocess pinned to ``cpus``; its figures."""
+    out = scratch.root / f"alone-{role}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "relax_hpc.bench.pipeline", "--alone", role, "--run-dir", str(run_dir.root),
+           "--scratch", str(scratch.root), "--iters", str(iters), "--warmup-iters", str(warmup), "--result", str(out)]
+    mask = set(cpus)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          preexec_fn=lambda: os.sched_setaffinity(0, mask))
+    if proc.returncode != 0:
+        raise RuntimeError(f"measuring {role} alone failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+# ------------------------------------------------------------------------------------------------ main
+def default_cores() -> list[int]:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ValueError(f"the pipeline benchmark needs 2 CPUs; this process may use only {cores}")
+    return cores[:2]
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    import torch
+
+    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def layout_overrides(mode: str, cores: list[int]) -> list[str]:
+    """The resources of each mode: colocate on both cores, fully_async one core per role."""
+    if mode == "colocate":
+        return ["mode=colocate", "launch.trainer.cpus_per_task=2",
+                f"launch.trainer.cpu_affinity=[{cores[0]},{cores[1]}]"]
+    return ["mode=fully_async", "rollout.num_workers=1", "launch.trainer.cpus_per_task=1",
+            f"launch.trainer.cpu_affinity=[{cores[0]}]", "launch.rollout.cpus_per_task=1",
+            f"launch.rollout.cpu_affinity=[{cores[1]}]"]
+
+
+def compute(colo: ModeRun, asy: ModeRun, gen: dict[str, float], train: dict[str, float], *,
+            num_steps: int) -> dict[str, Any]:
+    """Every reported figure from the two runs and the roles measured alone."""
+    wc, wa = timed_window(colo, num_steps), timed_window(asy, num_steps)
+    c, a = summarize_colocate(colo, wc), summarize_async(asy, wa)
+    t_gen, t_train = gen["generate"], train["train_compute"]
+    slow = max(t_gen, t_train)
+    steps = wa.num_steps
+    last = max(1, min(10, num_steps // 6))
+    rc, se_c = final_reward(colo, last)
+    ra, se_a = final_reward(asy, last)
+    noise = 2.0 * math.sqrt((se_c if math.isfinite(se_c) else 0.0) ** 2 + (se_a if math.isfinite(se_a) else 0.0) ** 2)
+    slower = "trainer" if t_train >= t_gen else "rollout"
+    busy = 1.0 - a[f"{slower}_idle_fraction"]
+    eff = steps * slow / a["seconds"]
+    return {
+        "steps": num_steps, "timed_steps": steps, "timing": TIMING,
+        "colocate_seconds": c["seconds"], "fully_async_seconds": a["seconds"],
+        "speedup": c["seconds"] / a["seconds"],
+        "t_gen": t_gen, "t_train": t_train, "slower_role": slower,
+        "ideal_seconds": steps * slow, "ideal_speedup": (t_gen + t_train) / slow, "efficiency_vs_ideal": eff,
+        "trainer_idle_fraction": a["trainer_idle_fraction"], "rollout_idle_fraction": a["rollout_idle_fraction"],
+        "trainer_wait_fraction": a["trainer_wait_fraction"], "rollout_pause_fraction": a["rollout_pause_fraction"],
+        "slower_role_busy_fraction": busy,
+        "final_reward_colocate": rc, "final_reward_fully_async": ra,
+        "final_reward_stderr_colocate": se_c, "final_reward_stderr_fully_async": se_a, "final_reward_steps": last,
+        "samples_per_s_colocate": c["samples"] / c["seconds"], "samples_per_s_fully_async": a["samples"] / a["seconds"],
+        "staleness_mean": a["staleness_mean"], "stale_dropped": a["stale_dropped"],
+        "fast_path_fraction": a["fast_path_fraction"], "rollout_batches": a["rollout_batches"],
+        "targets": {"efficiency_vs_ideal>=0.85": eff >= 0.85, "slower_role_busy>=0.90": busy >= 0.90,
+                    "final_reward_within_2se": abs(rc - ra) <= noise},
+        "breakdown": {"colocate": c["breakdown"], "fully_async_trainer": a["breakdown"]["trainer"],
+                      "fully_async_rollout": a["breakdown"]["rollout"], "rollout_alone": gen, "trainer_alone": train},
+    }
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN: a figure that could not be computed (a standard error of one step) becomes null."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def print_text(res: dict[str, Any]) -> None:
+    skip = {"breakdown", "targets", "machine", "layout", "run_dirs", "warnings", "timing", "overrides"}
+    for k, v in res.items():
+        if k not in skip:
+            print(f"{k:32s} {v:.4g}" if isinstance(v, float) else f"{k:32s} {v}")
+    print(f"{'timing':32s} {res['timing']}")
+    for k, v in res["targets"].items():
+        print(f"target {k:25s} {'met' if v else 'MISSED'}")
+    print("\nbreakdown, ms per trainer step (timed steps):")
+    for part, phases in res["breakdown"].items():
+        print(f"  {part:22s} " + "  ".join(f"{p} {1000 * s:.1f}" for p, s in phases.items()))
+    for w in res.get("warnings", []):
+        print(f"warning: {w}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="relax-hpc bench pipeline", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--steps", type=int, default=60, help="trainer steps of each mode (overrides num_steps)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field in both modes (repeatable)")
+    p.add_argument("--recipe", default=str(DEMO_RECIPE), help="recipe (default: recipes/demo.yaml)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="trainer.device and rollout.device of both modes (default: the recipe's)")
+    p.add_argument("--cores", default=None, help="two CPU ids A,B: trainer on A, rollout on B (default: the first two)")
+    p.add_argument("--out", default=None, help="folder for the run dirs (default: a new temporary folder)")
+    p.add_argument("--keep", action="store_true", help="keep the run dirs (and write result.json beside them)")
+    p.add_argument("--alone-iters", type=int, default=20, help="steps of each role measured alone")
+    p.add_argument("--timeout-s", type=float, default=1200.0, help="limit for each run")
+    # internal: one role's per-step work alone, in a pinned subprocess (see measure_alone)
+    p.add_argument("--alone", choices=("gen", "train"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--scratch", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--iters", type=int, default=20, help=argparse.SUPPRESS)
+    p.add_argument("--warmup-iters", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.steps < 2:
+        p.error("--steps must be >= 2 (step 1 is not timed)")
+    if a.alone_iters < 1:
+        p.error("--alone-iters must be >= 1")
+    return a
+
+
+def _alone_main(a: argparse.Namespace) -> int:
+    fn = alone_gen if a.alone == "gen" else alone_train
+    res = fn(RunDir.open(a.run_dir), RunDir.open(a.scratch), iters=a.iters, warmup=a.warmup_iters)
+    Path(a.result).write_text(json.dumps(res))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relax_hpc.errors import ConfigError, RelaxError, UserError
+
+    a = parse_args(argv)
+    if a.alone:
+        return _alone_main(a)
+    recipe = Path(a.recipe)
+    if not recipe.is_file():
+        print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
+        return 2
+    try:
+        cores = [int(c) for c in a.cores.split(",")] if a.cores else default_cores()
+    except ValueError as exc:
+        print(f"error: --cores: {exc}", file=sys.stderr)
+        return 2
+    if len(cores) != 2 or cores[0] == cores[1]:
+        print("error: --cores takes two different CPU ids, e.g. 0,1", file=sys.stderr)
+        return 2
+    common = [f"num_steps={a.steps}"]
+    if a.device:
+        common += [f"trainer.device={a.device}", f"rollout.device={a.device}"]
+    common += a.overrides
+    made = a.out is None
+    out = Path(tempfile.mkdtemp(prefix="relax-bench-pipeline-")) if made else Path(a.out)
+    res: dict[str, Any] = {"benchmark": "pipeline", "recipe": str(recipe), "overrides": common,
+                           "machine": machine(), "cores": cores,
+                           "layout": {"colocate": f"1 process on cpus {cores}, 2 threads",
+                                      "fully_async": f"trainer on cpu {cores[0]}, 1 rollout worker on cpu {cores[1]}, "
+                                                     "1 thread each"},
+                           "load_average_before": list(os.getloadavg())}
+    dirs = {"colocate": out / "colocate", "fully_async": out / "fully_async", "alone": out / "alone"}
+    created: list[Path] = []
+    try:
+        runs = {}
+        for mode in ("colocate", "fully_async"):
+            created.append(dirs[mode])
+            runs[mode] = run_mode(recipe, common + layout_overrides(mode, cores), dirs[mode], timeout_s=a.timeout_s)
+        created.append(dirs["alone"])
+        scratch = RunDir.create(dirs["alone"], name="bench-alone")
+        limit = a.timeout_s
+        gen = measure_alone("gen", runs["fully_async"].run_dir, scratch, cpus=[cores[1]], iters=a.alone_iters,
+                            warmup=3, timeout_s=limit)
+        train = measure_alone("train", runs["fully_async"].run_dir, scratch, cpus=[cores[0]], iters=a.alone_iters,
+                              warmup=3, timeout_s=limit)
+        res.update(compute(runs["colocate"], runs["fully_async"], gen, train, num_steps=a.steps))
+        res["load_average_after"] = list(os.getloadavg())
+        res["warnings"] = [f"{m}: the trainer side exited with code {r.exit_code} after logging every step"
+                           for m, r in runs.items() if r.exit_code != 0]
+    except (ConfigError, UserError) as exc:
+        for line in getattr(exc, "problems", None) or [str(exc)]:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except (RelaxError, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if not a.keep:
+            for d in created:
+                shutil.rmtree(d, ignore_errors=True)
+            if made:
+                shutil.rmtree(out, ignore_errors=True)
+    res = _finite(res)
+    if a.keep:
+        res["run_dirs"] = {k: str(v) for k, v in dirs.items()}
+        (out / "result.json").write_text(json.dumps(res, indent=1, allow_nan=False))
+    if a.json:
+        print(json.dumps(res, indent=1, allow_nan=False))
+    else:
+        print_text(res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
