@@ -85,3 +85,10 @@ def test_cli_missing_recipe_and_wrong_type_in_set(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "relax_hpc", "validate", str(demo), "--set", "rollout.n_samples=abc"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "rollout.n_samples" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_recipe_reference_is_up_to_date() -> None:
+    repo = Path(__file__).parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "tools" / "gen_recipe_reference.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -142,6 +144,14 @@ class Window:
     def num_steps(self) -> int:
         return len(self.steps)
 
+    def intervals(self) -> list[float]:
+        """Seconds between the ends of consecutive timed steps."""
+        times = [self.start] + [float(r["time"]) for r in self.steps]
+        return [b - a for a, b in itertools.pairwise(times)]
+
+    def median_interval(self) -> float:
+        return statistics.median(self.intervals())
+
 
 def timed_window(run: ModeRun, num_steps: int) -> Window:
     by_step = {int(r["step"]): r for r in run.steps}
@@ -218,9 +228,11 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def alone_gen(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int) -> dict[str, float]:
+def alone_gen(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int, writer: str = "bench-gen.0",
+              **_: Any) -> dict[str, float]:
     """The rollout worker's per-step work, alone: load the newest snapshot, generate one step's prompts, score them,
-    write the groups to ``scratch``'s store (what :func:`alone_train` then trains on). Means over ``iters``."""
+    write the groups to ``scratch``'s store as ``writer`` (what :func:`alone_train` trains on). Means over
+    ``iters``."""
     import torch
 
     from relax_hpc.modes import components as C
@@ -240,7 +252,7 @@ def alone_gen(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int) -> d
                       batch_prompts=cfg.rollout.batch_prompts, seed=cfg.seed)
     stream = C.build_prompt_stream(cfg, policy.tokenizer, seed_offset=1000)
     rewards = C.build_reward_runner(cfg)
-    writer = ShardWriter(scratch, "bench-gen.0")
+    shards = ShardWriter(scratch, writer)
     times: dict[str, list[float]] = {k: [] for k in ROLLOUT_PHASES}
     P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples
     for i in range(warmup + iters):
@@ -256,10 +268,9 @@ def alone_gen(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int) -> d
         t0 = time.perf_counter()
         _, scored = score_completions(rewards, policy.tokenizer, batch, completions)
         t["reward"] = time.perf_counter() - t0
-        groups, _ = build_groups(batch, completions, scored, writer_id="bench-gen.0", counter=i * P,
-                                 version=engine.version)
+        groups, _ = build_groups(batch, completions, scored, writer_id=writer, counter=i * P, version=engine.version)
         t0 = time.perf_counter()
-        writer.write(groups)
+        shards.write(groups)
         t["store_write"] = time.perf_counter() - t0
         if i >= warmup:
             for k, v in t.items():
@@ -267,9 +278,11 @@ def alone_gen(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int) -> d
     return {k: _mean(v) for k, v in times.items()}
 
 
-def alone_train(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int) -> dict[str, float]:
-    """The trainer's per-step work, alone, on the groups :func:`alone_gen` wrote: plan, read, prepare, train
-    (forward + backward + optimizer step), publish a snapshot (to ``scratch``). Means over ``iters``."""
+def alone_train(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int, consumer: str = "trainer",
+                snapshots: RunDir | None = None, **_: Any) -> dict[str, float]:
+    """The trainer's per-step work, alone, on the groups :func:`alone_gen` wrote to ``scratch``, read as consumer
+    ``consumer``: plan, read, prepare, train (forward + backward + optimizer step), publish a snapshot (to
+    ``snapshots``, default ``scratch``). Means over ``iters``."""
     import torch
 
     from relax_hpc.modes import components as C
@@ -289,17 +302,17 @@ def alone_train(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int) ->
     ref, teacher = C.build_aux_models(cfg, policy)
     trainer = TorchTrainer(cfg, policy.model, device=policy.device, dtype=policy.dtype, algorithm=algorithm,
                            ref_model=ref, teacher=teacher)
-    consumer = ConsumerGroup(scratch, "trainer", retention="keep")
-    publisher = SnapshotPublisher(scratch, keep_last=cfg.weights.keep_last)
+    group = ConsumerGroup(scratch, consumer, retention="keep")
+    publisher = SnapshotPublisher(snapshots or scratch, keep_last=cfg.weights.keep_last)
     times: dict[str, list[float]] = {k: [] for k in ("plan", "read", "prepare", "train_compute", "publish")}
     P = cfg.rollout.prompts_per_step
     for i in range(warmup + iters):
         t = {}
         t0 = time.perf_counter()
-        plan = consumer.plan(i, num_groups=P, min_version=0, wait=False)
+        plan = group.plan(i, num_groups=P, min_version=0, wait=False)
         t["plan"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        items = samples_to_items(consumer.read(plan))
+        items = samples_to_items(group.read(plan))
         t["read"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         prep = prepare_items(items, cfg, algorithm)
@@ -317,19 +330,44 @@ def alone_train(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int) ->
     return {k: _mean(v) for k, v in times.items()}
 
 
-def measure_alone(role: str, run_dir: RunDir, scratch: RunDir, *, cpus: list[int], iters: int, warmup: int,
-                  timeout_s: float) -> dict[str, float]:
-    """Run :func:`alone_gen` or :func:`alone_train` in a fresh subprocess pinned to ``cpus``; its figures."""
-    out = scratch.root / f"alone-{role}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "relax_hpc.bench.pipeline", "--alone", role, "--run-dir", str(run_dir.root),
-           "--scratch", str(scratch.root), "--iters", str(iters), "--warmup-iters", str(warmup), "--result", str(out)]
-    mask = set(cpus)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,
-                          preexec_fn=lambda: os.sched_setaffinity(0, mask))
-    if proc.returncode != 0:
-        raise RuntimeError(f"measuring {role} alone failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+@dataclass
+class RoleJob:
+    """One role's per-step work to measure in a pinned subprocess (see :func:`measure`)."""
+
+    role: str
+    """``gen`` (:func:`alone_gen`) or ``train`` (:func:`alone_train`)."""
+    cpus: list[int]
+    extra: list[str] = field(default_factory=list)
+    """More arguments: ``--writer ID``, ``--consumer NAME``, ``--snapshots DIR``."""
+
+
+def measure(jobs: list[RoleJob], run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int,
+            timeout_s: float, tag: str) -> list[dict[str, float]]:
+    """Run each job in a fresh subprocess pinned to its CPUs, all at the same time; their figures, in order."""
+    procs = []
+    for job in jobs:
+        out = scratch.root / f"{tag}-{job.role}.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(job.cpus)), "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "relax_hpc.bench.pipeline", "--alone", job.role, "--run-dir", str(run_dir.root),
+               "--scratch", str(scratch.root), "--iters", str(iters), "--warmup-iters", str(warmup),
+               "--result", str(out), *job.extra]
+        mask = set(job.cpus)
+        procs.append((job, out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                 text=True, preexec_fn=lambda m=mask: os.sched_setaffinity(0, m))))
+    deadline = time.monotonic() + timeout_s
+    results = []
+    try:
+        for job, out, proc in procs:
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise RuntimeError(f"measuring {job.role} ({tag}) failed (exit {proc.returncode}):\n{err[-3000:]}")
+            results.append(json.loads(out.read_text()))
+    finally:
+        for _, _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    return results
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -374,7 +412,7 @@ def compute(colo: ModeRun, asy: ModeRun, gen: dict[str, float], train: dict[str,
     last = max(1, min(10, num_steps // 6))
     rc, se_c = final_reward(colo, last)
     ra, se_a = final_reward(asy, last)
-    noise = 2.0 * math.sqrt((se_c if math.isfinite(se_c) else 0.0) ** 2 + (se_a if math.isfinite(se_a) else 0.0) ** 2)
+    noise = 2.0 * math.sqrt(se_c**2 + se_a**2)  # NaN when a mean is of one step: no verdict
     slower = "trainer" if t_train >= t_gen else "rollout"
     busy = 1.0 - a[f"{slower}_idle_fraction"]
     eff = steps * slow / a["seconds"]
@@ -382,6 +420,9 @@ def compute(colo: ModeRun, asy: ModeRun, gen: dict[str, float], train: dict[str,
         "steps": num_steps, "timed_steps": steps, "timing": TIMING,
         "colocate_seconds": c["seconds"], "fully_async_seconds": a["seconds"],
         "speedup": c["seconds"] / a["seconds"],
+        "colocate_step_ms_median": 1000 * wc.median_interval(),
+        "fully_async_step_ms_median": 1000 * wa.median_interval(),
+        "speedup_median": wc.median_interval() / wa.median_interval(),
         "t_gen": t_gen, "t_train": t_train, "slower_role": slower,
         "ideal_seconds": steps * slow, "ideal_speedup": (t_gen + t_train) / slow, "efficiency_vs_ideal": eff,
         "trainer_idle_fraction": a["trainer_idle_fraction"], "rollout_idle_fraction": a["rollout_idle_fraction"],
@@ -393,10 +434,24 @@ def compute(colo: ModeRun, asy: ModeRun, gen: dict[str, float], train: dict[str,
         "staleness_mean": a["staleness_mean"], "stale_dropped": a["stale_dropped"],
         "fast_path_fraction": a["fast_path_fraction"], "rollout_batches": a["rollout_batches"],
         "targets": {"efficiency_vs_ideal>=0.85": eff >= 0.85, "slower_role_busy>=0.90": busy >= 0.90,
-                    "final_reward_within_2se": abs(rc - ra) <= noise},
+                    "final_reward_within_2se": abs(rc - ra) <= noise if math.isfinite(noise) else None},
         "breakdown": {"colocate": c["breakdown"], "fully_async_trainer": a["breakdown"]["trainer"],
                       "fully_async_rollout": a["breakdown"]["rollout"], "rollout_alone": gen, "trainer_alone": train},
     }
+
+
+def disturbed(runs: dict[str, ModeRun], num_steps: int) -> list[str]:
+    """Warnings for runs with steps far slower than their median: other load on the machine (a 2-thread colocate
+    process suffers most: its threads wait for each other whenever another process takes one of the cores)."""
+    out = []
+    for mode, run in runs.items():
+        w = timed_window(run, num_steps)
+        med, worst = w.median_interval(), max(w.intervals())
+        if worst > 5 * med:
+            slow = sum(x > 5 * med for x in w.intervals())
+            out.append(f"{mode}: {slow} step(s) took > 5x the median step ({1000 * worst:.0f} ms vs "
+                       f"{1000 * med:.0f} ms): other load on the machine? compare the *_median figures")
+    return out
 
 
 def _finite(value: Any) -> Any:
@@ -446,6 +501,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help=argparse.SUPPRESS)
     p.add_argument("--warmup-iters", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--writer", default="bench-gen.0", help=argparse.SUPPRESS)
+    p.add_argument("--consumer", default="trainer", help=argparse.SUPPRESS)
+    p.add_argument("--snapshots", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.steps < 2:
         p.error("--steps must be >= 2 (step 1 is not timed)")
@@ -456,7 +514,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _alone_main(a: argparse.Namespace) -> int:
     fn = alone_gen if a.alone == "gen" else alone_train
-    res = fn(RunDir.open(a.run_dir), RunDir.open(a.scratch), iters=a.iters, warmup=a.warmup_iters)
+    res = fn(RunDir.open(a.run_dir), RunDir.open(a.scratch), iters=a.iters, warmup=a.warmup_iters, writer=a.writer,
+             consumer=a.consumer, snapshots=RunDir.open(a.snapshots) if a.snapshots else None)
     Path(a.result).write_text(json.dumps(res))
     return 0
 
@@ -500,15 +559,21 @@ def main(argv: list[str] | None = None) -> int:
             runs[mode] = run_mode(recipe, common + layout_overrides(mode, cores), dirs[mode], timeout_s=a.timeout_s)
         created.append(dirs["alone"])
         scratch = RunDir.create(dirs["alone"], name="bench-alone")
-        limit = a.timeout_s
-        gen = measure_alone("gen", runs["fully_async"].run_dir, scratch, cpus=[cores[1]], iters=a.alone_iters,
-                            warmup=3, timeout_s=limit)
-        train = measure_alone("train", runs["fully_async"].run_dir, scratch, cpus=[cores[0]], iters=a.alone_iters,
-                              warmup=3, timeout_s=limit)
+        snaps = RunDir.create(dirs["alone"] / "corun-snapshots", name="bench-corun")
+        src, kw = runs["fully_async"].run_dir, {"iters": a.alone_iters, "warmup": 3, "timeout_s": a.timeout_s}
+        gen, = measure([RoleJob("gen", [cores[1]])], src, scratch, tag="alone", **kw)
+        train, = measure([RoleJob("train", [cores[0]])], src, scratch, tag="alone", **kw)
+        gen2, train2 = measure([RoleJob("gen", [cores[1]], ["--writer", "bench-corun.0"]),
+                                RoleJob("train", [cores[0]], ["--consumer", "corun", "--snapshots", str(snaps.root)])],
+                               src, scratch, tag="corun", **kw)
         res.update(compute(runs["colocate"], runs["fully_async"], gen, train, num_steps=a.steps))
+        res["t_gen_corun"], res["t_train_corun"] = gen2["generate"], train2["train_compute"]
+        res["efficiency_vs_corun"] = res["timed_steps"] * max(gen2["generate"], train2["train_compute"]) / \
+            res["fully_async_seconds"]
+        res["breakdown"].update(rollout_corun=gen2, trainer_corun=train2)
         res["load_average_after"] = list(os.getloadavg())
         res["warnings"] = [f"{m}: the trainer side exited with code {r.exit_code} after logging every step"
-                           for m, r in runs.items() if r.exit_code != 0]
+                           for m, r in runs.items() if r.exit_code != 0] + disturbed(runs, a.steps)
     except (ConfigError, UserError) as exc:
         for line in getattr(exc, "problems", None) or [str(exc)]:
             print(f"error: {line}", file=sys.stderr)

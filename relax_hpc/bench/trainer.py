@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--micro-batch-tokens", type=int, default=None)
+    p.add_argument("--attn", default=None, help="attention kernel of our trainer (default: flex_attention on GPU, "
+                   "sdpa on CPU); the plain HF baseline always uses sdpa")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100/H200: 989)")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    attn = a.attn or ("flex_attention" if cuda else "sdpa")
+    model.set_attn_implementation(attn)
     ours = bench_ours(model, lengths, vocab, device, iters, micro)
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "shape": shape, "params": n_params,
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": ours["tokens_per_s"], "padding_fraction": ours["padding_fraction"],
         "micro_batches": ours["micro_batches"], "plain_hf_tokens_per_s": plain["tokens_per_s"],
         "plain_hf_padding_fraction": plain["padding_fraction"],
-        "speedup_vs_plain_hf": ours["tokens_per_s"] / plain["tokens_per_s"],
+        "speedup_vs_plain_hf": ours["tokens_per_s"] / plain["tokens_per_s"], "attn_implementation": attn,
     }
     if cuda:
         peak = a.peak_tflops * 1e12

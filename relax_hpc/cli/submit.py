@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,13 +31,15 @@ def default_run_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def prepare_run_dir(args: argparse.Namespace, *, resume: bool = False):  # -> (RunDir, RecipeConfig)
-    """Validate the recipe, then create the run dir and write recipe.yaml + config.json (nothing before validation)."""
+def prepare_run_dir(args: argparse.Namespace, cfg: Any = None, *, resume: bool = False) -> tuple[Any, Any]:
+    """(RunDir, config): validate the recipe unless ``cfg`` is given, then create the run dir and write
+    recipe.yaml + config.json (nothing is written before validation)."""
     from relax_hpc.config.load import config_to_json, load_recipe
     from relax_hpc.fsio import atomic_write_json, atomic_write_text
     from relax_hpc.rundir import RunDir
 
-    cfg = load_recipe(args.recipe, args.overrides)
+    if cfg is None:
+        cfg = load_recipe(args.recipe, args.overrides)
     root = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.name)
     run_dir = RunDir.create(root, name=cfg.name, resume=resume)
     text = Path(args.recipe).read_text()
@@ -48,14 +51,24 @@ def prepare_run_dir(args: argparse.Namespace, *, resume: bool = False):  # -> (R
 
 
 def pick_executor(want: str) -> str:
+    """``auto``: Slurm when sbatch is on PATH and the controller answers; else local processes."""
     from relax_hpc.errors import UserError
 
-    has_slurm = shutil.which("sbatch") is not None
-    if want == "slurm" and not has_slurm:
-        raise UserError("--executor slurm: no Slurm here (sbatch is not on PATH)")
-    if want == "auto":
-        return "slurm" if has_slurm else "local"
-    return want
+    if want == "local":
+        return want
+    if shutil.which("sbatch") is None:
+        if want == "slurm":
+            raise UserError("--executor slurm: no Slurm here (sbatch is not on PATH)")
+        return "local"
+    from relax_hpc.launch.slurm_cli import slurm_problem
+
+    problem = slurm_problem()
+    if problem is None:
+        return "slurm"
+    if want == "slurm":
+        raise UserError(f"--executor slurm: {problem}")
+    print(f"note: not using Slurm ({problem}); running locally", file=sys.stderr)
+    return "local"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,8 +81,11 @@ def run(args: argparse.Namespace) -> int:
         for line in exc.problems:
             print(f"error: {line}", file=sys.stderr)
         return 2
+    from relax_hpc.modes.components import check_backends
+
+    check_backends(cfg)
     executor = pick_executor(args.executor or cfg.launch.executor)
-    run_dir, cfg = prepare_run_dir(args)
+    run_dir, cfg = prepare_run_dir(args, cfg)
     print(f"run dir: {run_dir.root}")
     if executor == "slurm":
         from relax_hpc.launch.slurm import launch as slurm_launch

@@ -54,6 +54,10 @@ class ModelConfig(Section):
     """Passed to transformers when loading ``path``."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2", "eager"] = "auto"
+    """Attention kernel (``auto`` = ``sdpa``). Packed micro-batches are fastest with a kernel that skips the other
+    sequences' blocks (``flex_attention``, compiled on first use; ``flash_attention_2`` where flash-attn is
+    installed). See docs/benchmarks.md for measured figures."""
     init_seed: int = 0
     """Seed for the random weights of a tiny model."""
 

@@ -84,6 +84,11 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, device: str, dtype: Any, see
         except OSError as exc:
             raise UserError(f"cannot load model {cfg.path!r}: {str(exc).splitlines()[0]}") from exc
     model.to(device=device, dtype=dtype)
+    attn = cfg.attn_implementation
+    if attn == "auto":
+        attn = "sdpa"
+    if attn != getattr(model.config, "_attn_implementation", None):
+        model.set_attn_implementation(attn)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model

@@ -33,7 +33,6 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     """Generate until the run ends. Returns an exit code."""
     from relax_hpc.modes import components as C
     from relax_hpc.rollout.groups import build_groups, score_completions
-    from relax_hpc.rollout.hf_engine import HFEngine
     from relax_hpc.store import ShardWriter, backlog, new_writer_id
     from relax_hpc.weights import SnapshotReader, latest_version
 
@@ -44,10 +43,10 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     hb.start_thread()
     writer_id = new_writer_id(proc)
     events.event("started", f"rollout worker {rank} (writer {writer_id})")
+    C.check_backends(cfg)
     C.seed_everything(cfg.seed + 7919 * (rank + 1) + int(time.time()) % 100_003)
     policy = C.build_policy(cfg, device_pref=cfg.rollout.device)
-    engine = HFEngine(policy.model, policy.tokenizer, cfg.rollout.sampling, device=policy.device,
-                      batch_prompts=cfg.rollout.batch_prompts)
+    engine = C.build_engine(cfg, policy, seed=cfg.seed + rank)
     stream = C.build_prompt_stream(cfg, policy.tokenizer, seed_offset=1000 * (rank + 1) + int(time.time()) % 997)
     rewards = C.build_reward_runner(cfg)
     writer = ShardWriter(run_dir, writer_id)
@@ -68,6 +67,7 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     limit = max(cfg.max_staleness, 1) * P
     counter = 0
     pause_total = 0.0
+    carried = {"pause": 0.0, "sync": 0.0}  # pause and weight loads of passes that ended in a reload, not yet logged
     while not (finished() or stop.is_set or drain_requested(run_dir, proc)):
         t_sync = 0.0
         newest = latest_version(run_dir)
@@ -83,13 +83,16 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
             hb.beat(version=engine.version)
         t0 = time.perf_counter()
         paused = False
+        seen = newest
+        poll = 0.001  # the trainer frees room once per step: react within ms (backoff caps a long pause's polling)
         while backlog(run_dir).groups >= limit and not (finished() or stop.is_set):
             if not paused:
                 hb.beat(state="paused")
                 paused = True
-            stop.wait(0.02)
+            stop.wait(poll)
+            poll = min(poll * 1.5, 0.005)
             newest = latest_version(run_dir)
-            if newest is not None and newest != engine.version:
+            if newest is not None and newest != seen:
                 break  # new weights while paused: reload before generating
         pause = time.perf_counter() - t0
         pause_total += pause
@@ -97,8 +100,19 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
             hb.beat(state="running")
         if finished() or stop.is_set:
             break
-        if newest is not None and newest != engine.version:
+        if newest is not None and newest != seen:
+            carried["pause"] += pause
+            carried["sync"] += t_sync
             continue
+        if fast is not None and counter:  # the trainer hands new weights to the fast path before it frees room in
+            t0 = time.perf_counter()  # the store, so they are often here before LATEST names them
+            got = fast.pull(engine.version, policy.model)
+            if got is not None and got > engine.version:
+                engine.version, sync_path = got, "fast"
+                hb.beat(version=engine.version)
+            t_sync += time.perf_counter() - t0
+        pause, t_sync = pause + carried["pause"], t_sync + carried["sync"]
+        carried = {"pause": 0.0, "sync": 0.0}
         t0 = time.perf_counter()
         batch = stream.next_batch(cfg.rollout.batch_prompts)
         completions = engine.generate([p.prompt_ids for p in batch], cfg.rollout.n_samples,

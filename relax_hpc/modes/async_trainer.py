@@ -12,8 +12,12 @@ corrects them). After every ``weights.publish_every`` steps the new weights are 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +29,47 @@ from relax_hpc.launch.signals import StopFlag
 from relax_hpc.rundir import RunDir
 
 log = logging.getLogger(__name__)
+
+
+class SnapshotFiles:
+    """Writes the weight snapshot files of trainer rank 0 on one background thread, so that the next step does not
+    wait for their fsyncs. Version order is kept: at most one publish is in flight and the next :meth:`submit` waits
+    for it. Rollout workers see a version when its LATEST is written (or earlier over the fast path); the files stay
+    the truth for late joiners and recovery. :meth:`drain` waits for the pending publish and re-raises its error."""
+
+    def __init__(self, session: Any):
+        self.session = session
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot") if session.publisher is not None else None
+        self.pending: Future[None] | None = None
+
+    def submit(self, version: int, state_dict: dict[str, Any]) -> None:
+        if self.pool is None:
+            return
+        self.drain()
+        live = set()  # tensors that are the live parameters (unsharded): copied, the optimizer changes them
+        for p in self.session.trainer.model.parameters():
+            with contextlib.suppress(RuntimeError):  # sharded parameters have no plain storage
+                live.add(p.untyped_storage().data_ptr())
+        sd = {k: v.detach().clone() if v.untyped_storage().data_ptr() in live else v for k, v in state_dict.items()}
+        self.pending = self.pool.submit(self._publish, version, sd)
+
+    def _publish(self, version: int, state_dict: dict[str, Any]) -> None:
+        from relax_hpc.weights import latest_version
+
+        latest = latest_version(self.session.run_dir)
+        if latest is None or version > latest:
+            self.session.publisher.publish(state_dict, version=version, step=version,
+                                           model_config=getattr(self.session.trainer.model, "config", None))
+
+    def drain(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.drain()
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_size: int = 1) -> int:
@@ -41,6 +86,7 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
     hb = Heartbeat(run_dir, "trainer", rank)
     hb.start_thread()
     events.event("started", f"trainer rank {rank}/{world_size}")
+    C.check_backends(cfg)
     C.seed_everything(cfg.seed)
     policy = C.build_policy(cfg, device_pref=cfg.trainer.device)
     algorithm = C.build_algorithm(cfg)
@@ -70,6 +116,9 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
 
         fast = FastPathServer(run_dir, cfg.rollout.num_workers, device=policy.device)
         fast.update(trainer.step, trainer.full_state_dict())
+        # Its serving threads need the GIL a few times per transfer; by default they wait up to 5 ms for each.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
+    files = SnapshotFiles(session)
     P = cfg.rollout.prompts_per_step
     hb.beat(state="running", step=trainer.step, version=session.version, force=True)
     t_run = time.perf_counter()
@@ -91,7 +140,7 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
             if rank == 0:
                 wait_for(lambda: backlog(run_dir).groups > 0 or stop.is_set,
                          what=f"samples for step {trainer.step + 1}", timeout_s=cfg.store.wait_timeout_s,
-                         max_poll_s=0.05, logger=log)
+                         poll_s=0.001, max_poll_s=0.005, logger=log)  # each ms of reaction is lost per step
                 t1 = time.perf_counter()
                 plan = consumer.plan(plan_seq, num_groups=P - have, min_version=min_version,
                                      stale_policy=cfg.store.stale_policy, wait=False)
@@ -118,12 +167,12 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         session.version = trainer.step
         t_sync = 0.0
         if trainer.step % cfg.weights.publish_every == 0 or trainer.step == cfg.num_steps:
+            t0 = time.perf_counter()
             sd = trainer.full_state_dict()
-            t_sync = session.publish(sd)
             if fast is not None:
-                t0 = time.perf_counter()
-                fast.update(trainer.step, sd)
-                t_sync += time.perf_counter() - t0
+                fast.update(trainer.step, sd)  # first: the workers may pull it as soon as this step frees room
+            files.submit(trainer.step, sd)
+            t_sync = time.perf_counter() - t0
         t_ckpt = time.perf_counter()
         if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
             pos = consumer.position_after(plan_seq)
@@ -152,6 +201,7 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         hb.beat(step=trainer.step, version=session.version)
         log.info("step %d/%d reward %.3f (%.2fs, waited %.2fs)", trainer.step, cfg.num_steps,
                  metrics["rollout/reward"], step_time, t_wait)
+    files.close()
     if stop.is_set and trainer.step < cfg.num_steps:
         if session.last_checkpoint_step != trainer.step:
             pos = consumer.position

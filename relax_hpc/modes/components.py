@@ -64,6 +64,24 @@ def build_aux_models(cfg: RecipeConfig, policy: Policy) -> tuple[Any, Any]:
     return ref, teacher
 
 
+def check_backends(cfg: RecipeConfig) -> None:
+    """Refuse, with one line, backends this version does not ship (before any model is built)."""
+    from relax_hpc.errors import UserError
+
+    if cfg.trainer.backend != "torch":
+        raise UserError(f"trainer.backend={cfg.trainer.backend}: not available in this version; use torch")
+    if cfg.rollout.engine != "hf":
+        raise UserError(f"rollout.engine={cfg.rollout.engine}: not available in this version; use hf")
+
+
+def build_engine(cfg: RecipeConfig, policy: Policy, *, seed: int = 0) -> Any:
+    from relax_hpc.rollout.engine import make_engine
+
+    return make_engine(cfg.rollout.engine, model=policy.model, tokenizer=policy.tokenizer,
+                       sampling=cfg.rollout.sampling, device=policy.device, batch_prompts=cfg.rollout.batch_prompts,
+                       seed=seed)
+
+
 def build_algorithm(cfg: RecipeConfig) -> Any:
     from relax_hpc.algorithms.registry import get_algorithm
 

@@ -56,7 +56,8 @@ def make_engine(kind: str, **kwargs: Any) -> RolloutEngine:
 
         return HFEngine(**kwargs)
     if kind == "sglang":
-        from relax_hpc.rollout.sglang_engine import SGLangEngine
+        from relax_hpc.errors import UserError
 
-        return SGLangEngine(**kwargs)
+        raise UserError("rollout.engine=sglang: the SGLang engine (a server per node) is not available in this "
+                        "version; use rollout.engine=hf")
     raise ValueError(f"unknown rollout engine {kind!r}")
