@@ -190,6 +190,26 @@ def summarize_colocate(run: ModeRun, w: Window) -> dict[str, Any]:
     return {"seconds": w.seconds, "samples": _sum(w.steps, "train/samples"), "breakdown": phases}
 
 
+def clip_cycles(records: list[dict[str, Any]], w: Window) -> list[tuple[float, dict[str, Any]]]:
+    """The rollout worker's batches that overlap the timed window, each with the fraction of its cycle inside it.
+
+    A batch's metric line ends its cycle (weight load, pause, generate, reward, write); the cycle started at the
+    previous line (the first one: its own durations before its line). Phases are counted in proportion, so the
+    window's totals are neither missed nor counted twice at its edges."""
+    out = []
+    prev: float | None = None
+    for r in sorted((r for r in records if "rollout/generate_time" in r["metrics"]), key=lambda r: float(r["time"])):
+        end = float(r["time"])
+        m = r["metrics"]
+        begin = prev if prev is not None else end - sum(_num(m, k) for k in (*ROLLOUT_PHASES.values(),
+                                                                              "perf/rollout_pause_time"))
+        prev = end
+        overlap = min(end, w.end) - max(begin, w.start)
+        if overlap > 0 and end > begin:
+            out.append((overlap / (end - begin), r))
+    return out
+
+
 def summarize_async(run: ModeRun, w: Window) -> dict[str, Any]:
     n = w.num_steps
     tr = per_step(w.steps, TRAINER_PHASES, n)
@@ -198,9 +218,9 @@ def summarize_async(run: ModeRun, w: Window) -> dict[str, Any]:
     trainer = {"wait": wait, **tr, "other_in_step": step_time - wait - sum(tr.values()),
                "between_steps": w.seconds / n - step_time}
     trainer_busy = sum(tr.values()) * n / w.seconds
-    inside = [r for r in run.rollout if w.start < float(r["time"]) <= w.end and "rollout/generate_time" in r["metrics"]]
-    ro = per_step(inside, ROLLOUT_PHASES, n)
-    pause = _sum(inside, "perf/rollout_pause_time") / n
+    inside = clip_cycles(run.rollout, w)
+    ro = {name: sum(f * _num(r["metrics"], key) for f, r in inside) / n for name, key in ROLLOUT_PHASES.items()}
+    pause = sum(f * _num(r["metrics"], "perf/rollout_pause_time") for f, r in inside) / n
     rollout = {"pause": pause, **ro, "other": w.seconds / n - pause - sum(ro.values())}
     rollout_busy = sum(ro.values()) * n / w.seconds
     clamp = lambda x: min(1.0, max(0.0, x))  # noqa: E731
@@ -210,8 +230,9 @@ def summarize_async(run: ModeRun, w: Window) -> dict[str, Any]:
         "rollout_idle_fraction": clamp(1.0 - rollout_busy), "rollout_pause_fraction": clamp(pause * n / w.seconds),
         "staleness_mean": _sum(w.steps, "rollout/staleness_mean") / n,
         "stale_dropped": _sum(w.steps, "rollout/stale_dropped"),
-        "fast_path_fraction": (_sum(inside, "weights/fast_path_used") / len(inside)) if inside else 0.0,
-        "rollout_batches": len(inside),
+        "fast_path_fraction": (sum(_num(r["metrics"], "weights/fast_path_used") for _, r in inside) / len(inside)
+                               if inside else 0.0),
+        "rollout_batches": sum(f for f, _ in inside),
         "breakdown": {"trainer": trainer, "rollout": rollout},
     }
 

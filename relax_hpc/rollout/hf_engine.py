@@ -58,6 +58,11 @@ class HFEngine(RolloutEngine):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attn[i, width - len(p):] = 1
         extra = {k: torch.as_tensor(v).to(self.device) for k, v in (mm or {}).items()}
+        # Sharded (FSDP) weights: every rank must run the same number of forward passes, whatever its prompts.
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            extra["synced_gpus"] = True
         greedy = s.temperature == 0
         temperature = 1.0 if greedy else s.temperature
         self._calls += 1
