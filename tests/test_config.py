@@ -32,7 +32,7 @@ def test_override_parsing() -> None:
     assert parse_override("rollout.sampling.stop=[a, b]") == (["rollout", "sampling", "stop"], ["a", "b"])
     out = apply_overrides({"a": {"b": 1}}, ["a.c=2", "d.e=x"])
     assert out == {"a": {"b": 1, "c": 2}, "d": {"e": "x"}}
-    with pytest.raises(ConfigError, match="key.path=value"):
+    with pytest.raises(ConfigError, match=r"key\.path=value"):
         parse_override("nonsense")
 
 

@@ -72,7 +72,7 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path: Path) -> None:
                                                                      **__import__("os").environ})
              for r in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     assert '"samples": 12.0' in outs[0][0]  # the step's global sample count, all-reduced
     sharded = load_file(str(rd.root / "fsdp.st"))

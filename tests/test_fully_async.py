@@ -40,7 +40,7 @@ def _wait_exit(pid: int, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z":
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
                 return
         except FileNotFoundError:
             return
@@ -49,7 +49,7 @@ def _wait_exit(pid: int, timeout: float = 120) -> None:
 
 
 def _role(run: Path, role: str, rank: int) -> subprocess.Popen:
-    log = open(run / "logs" / f"{role}-{rank}.restart.out", "ab")
+    log = open(run / "logs" / f"{role}-{rank}.restart.out", "ab")  # noqa: SIM115 - the child keeps it
     return subprocess.Popen([sys.executable, "-m", "relax_hpc", "role", role, "--run-dir", str(run), "--rank",
                              str(rank)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,12 @@ def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         sink.log({"rollout/reward": 0.1 * step, "train/loss": 1.0 / step}, step=step)
     assert run.summary["rollout/reward"] == pytest.approx(0.2)  # W&B commits a step when the next one starts
     sink.close()  # ... and the last one at finish
-    offline = list(rd.wandb.glob("wandb/offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + 60  # the W&B service process may still be flushing the offline file
+    while True:
+        offline = list(rd.wandb.glob("wandb/offline-run-*/run-*.wandb"))
+        data = offline[0].read_bytes() if len(offline) == 1 else b""
+        if (b"rollout/reward" in data and b"0.30000000000000004" in data) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(offline) == 1
-    data = offline[0].read_bytes()
     assert b"rollout/reward" in data and b"0.30000000000000004" in data and b"train/loss" in data

@@ -60,7 +60,7 @@ def test_on_policy_batch_has_unit_weights() -> None:
     model = build_tiny_model(cfg.model.tiny, 18, seed=1)
     rng = np.random.default_rng(1)
     items = []
-    for i in range(4):
+    for _ in range(4):
         it = TrainItem(prompt_ids=rng.integers(4, 18, 4), response_ids=rng.integers(4, 18, 3),
                        rollout_logprobs=np.zeros(3), loss_mask=np.ones(3), advantage=1.0, group_id="g")
         it.rollout_logprobs = _current_logprobs(model, it)

@@ -19,6 +19,10 @@ A perfect pipeline is bounded by its slower role::
     efficiency_vs_ideal = timed_steps * max(t_gen, t_train) / fully_async_seconds
     ideal_speedup       = (t_gen + t_train) / max(t_gen, t_train)   # overlap alone, vs taking turns
 
+The same two processes then measure both roles at once (``t_gen_corun``, ``t_train_corun``,
+``efficiency_vs_corun``): what each role's compute gets when the other core is busy too (shared caches, memory
+bandwidth, the host's scheduling of a VM's vCPUs).
+
 Everything else a step does (rewards, store writes and reads, snapshot publishing, weight loading, polling, logging)
 counts against the pipeline; ``breakdown`` says where it goes (ms per trainer step, over the timed steps). A role's
 ``busy`` time is the time in its timed phases; ``idle = 1 - busy / seconds`` (waiting for the other role, plus the
@@ -35,6 +39,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,6 +114,8 @@ def run_mode(recipe: Path, overrides: list[str], root: Path, *, timeout_s: float
         code = local.supervise(run_dir, cfg, procs, on_tick=check_deadline, poll_s=0.2)
     finally:
         local.terminate(procs, timeout_s=30)
+    if code == 130:  # interrupted: supervise stopped the roles
+        raise KeyboardInterrupt
     main = "colocate-0" if cfg.mode == "colocate" else "trainer-0"
     recs = read_records(run_dir, main)
     steps = [r for r in recs if r.get("kind") == "metrics" and (r.get("step") or 0) >= 1
@@ -249,142 +256,172 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def alone_gen(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int, writer: str = "bench-gen.0",
-              **_: Any) -> dict[str, float]:
-    """The rollout worker's per-step work, alone: load the newest snapshot, generate one step's prompts, score them,
-    write the groups to ``scratch``'s store as ``writer`` (what :func:`alone_train` trains on). Means over
-    ``iters``."""
-    import torch
+class GenWork:
+    """The rollout worker's per-step work, set up once from a finished run (its config and newest snapshot):
+    load the snapshot, generate one step's prompts, score them, write the groups to a store."""
 
-    from relax_hpc.modes import components as C
-    from relax_hpc.roles import load_run_config
-    from relax_hpc.rollout.groups import build_groups, score_completions
-    from relax_hpc.rollout.hf_engine import HFEngine
-    from relax_hpc.store import ShardWriter
-    from relax_hpc.weights import SnapshotReader, latest_version
+    def __init__(self, run_dir: RunDir):
+        import torch
 
-    cfg = load_run_config(run_dir)
-    torch.set_num_threads(cfg.launch.rollout.cpus_per_task)
-    C.seed_everything(cfg.seed)
-    policy = C.build_policy(cfg, device_pref=cfg.rollout.device)
-    reader = SnapshotReader(run_dir, name="bench-alone")
-    version = latest_version(run_dir)
-    engine = HFEngine(policy.model, policy.tokenizer, cfg.rollout.sampling, device=policy.device,
-                      batch_prompts=cfg.rollout.batch_prompts, seed=cfg.seed)
-    stream = C.build_prompt_stream(cfg, policy.tokenizer, seed_offset=1000)
-    rewards = C.build_reward_runner(cfg)
-    shards = ShardWriter(scratch, writer)
-    times: dict[str, list[float]] = {k: [] for k in ROLLOUT_PHASES}
-    P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples
-    for i in range(warmup + iters):
-        t = {}
-        t0 = time.perf_counter()
-        engine.version = reader.load_into(policy.model, version, verify=cfg.weights.verify)
-        _sync(policy.device)
-        t["weight_load"] = time.perf_counter() - t0
-        batch = stream.next_batch(P)
-        t0 = time.perf_counter()
-        completions = engine.generate([p.prompt_ids for p in batch], n, multimodal=[p.multimodal for p in batch])
-        t["generate"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _, scored = score_completions(rewards, policy.tokenizer, batch, completions)
-        t["reward"] = time.perf_counter() - t0
-        groups, _ = build_groups(batch, completions, scored, writer_id=writer, counter=i * P, version=engine.version)
-        t0 = time.perf_counter()
-        shards.write(groups)
-        t["store_write"] = time.perf_counter() - t0
-        if i >= warmup:
-            for k, v in t.items():
-                times[k].append(v)
-    return {k: _mean(v) for k, v in times.items()}
+        from relax_hpc.modes import components as C
+        from relax_hpc.roles import load_run_config
+        from relax_hpc.weights import SnapshotReader, latest_version
 
+        self.cfg = cfg = load_run_config(run_dir)
+        torch.set_num_threads(cfg.launch.rollout.cpus_per_task)
+        C.seed_everything(cfg.seed)
+        self.policy = C.build_policy(cfg, device_pref=cfg.rollout.device)
+        self.reader = SnapshotReader(run_dir, name="bench-alone")
+        self.version = latest_version(run_dir)
+        self.engine = C.build_engine(cfg, self.policy, seed=cfg.seed)
+        self.stream = C.build_prompt_stream(cfg, self.policy.tokenizer, seed_offset=1000)
+        self.rewards = C.build_reward_runner(cfg)
 
-def alone_train(run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int, consumer: str = "trainer",
-                snapshots: RunDir | None = None, **_: Any) -> dict[str, float]:
-    """The trainer's per-step work, alone, on the groups :func:`alone_gen` wrote to ``scratch``, read as consumer
-    ``consumer``: plan, read, prepare, train (forward + backward + optimizer step), publish a snapshot (to
-    ``snapshots``, default ``scratch``). Means over ``iters``."""
-    import torch
+    def run(self, store: RunDir, writer: str, *, iters: int, warmup: int) -> dict[str, float]:
+        """Mean seconds per step of each phase over ``iters`` steps (after ``warmup``)."""
+        from relax_hpc.rollout.groups import build_groups, score_completions
+        from relax_hpc.store import ShardWriter
 
-    from relax_hpc.modes import components as C
-    from relax_hpc.roles import load_run_config
-    from relax_hpc.rollout.groups import samples_to_items
-    from relax_hpc.store import ConsumerGroup
-    from relax_hpc.trainer.prepare import prepare_items
-    from relax_hpc.trainer.torch_trainer import TorchTrainer
-    from relax_hpc.weights import SnapshotPublisher, SnapshotReader, latest_version
-
-    cfg = load_run_config(run_dir)
-    torch.set_num_threads(cfg.launch.trainer.cpus_per_task)
-    C.seed_everything(cfg.seed)
-    policy = C.build_policy(cfg, device_pref=cfg.trainer.device)
-    SnapshotReader(run_dir, name="bench-alone").load_into(policy.model, latest_version(run_dir))
-    algorithm = C.build_algorithm(cfg)
-    ref, teacher = C.build_aux_models(cfg, policy)
-    trainer = TorchTrainer(cfg, policy.model, device=policy.device, dtype=policy.dtype, algorithm=algorithm,
-                           ref_model=ref, teacher=teacher)
-    group = ConsumerGroup(scratch, consumer, retention="keep")
-    publisher = SnapshotPublisher(snapshots or scratch, keep_last=cfg.weights.keep_last)
-    times: dict[str, list[float]] = {k: [] for k in ("plan", "read", "prepare", "train_compute", "publish")}
-    P = cfg.rollout.prompts_per_step
-    for i in range(warmup + iters):
-        t = {}
-        t0 = time.perf_counter()
-        plan = group.plan(i, num_groups=P, min_version=0, wait=False)
-        t["plan"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        items = samples_to_items(group.read(plan))
-        t["read"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        prep = prepare_items(items, cfg, algorithm)
-        t["prepare"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        trainer.train_step(prep.items)
-        _sync(policy.device)
-        t["train_compute"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        publisher.publish(trainer.full_state_dict(), version=trainer.step, step=trainer.step)
-        t["publish"] = time.perf_counter() - t0
-        if i >= warmup:
-            for k, v in t.items():
-                times[k].append(v)
-    return {k: _mean(v) for k, v in times.items()}
+        cfg, tok = self.cfg, self.policy.tokenizer
+        shards = ShardWriter(store, writer)
+        times: dict[str, list[float]] = {k: [] for k in ROLLOUT_PHASES}
+        P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples
+        for i in range(warmup + iters):
+            t: dict[str, float] = {}
+            t0 = time.perf_counter()
+            self.engine.version = self.reader.load_into(self.policy.model, self.version, verify=cfg.weights.verify)
+            _sync(self.policy.device)
+            t["weight_load"] = time.perf_counter() - t0
+            batch = self.stream.next_batch(P)
+            t0 = time.perf_counter()
+            completions = self.engine.generate([p.prompt_ids for p in batch], n,
+                                               multimodal=[p.multimodal for p in batch])
+            t["generate"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            _, scored = score_completions(self.rewards, tok, batch, completions)
+            t["reward"] = time.perf_counter() - t0
+            groups, _ = build_groups(batch, completions, scored, writer_id=writer, counter=i * P,
+                                     version=self.engine.version)
+            t0 = time.perf_counter()
+            shards.write(groups)
+            t["store_write"] = time.perf_counter() - t0
+            if i >= warmup:
+                for k, v in t.items():
+                    times[k].append(v)
+        return {k: _mean(v) for k, v in times.items()}
 
 
-@dataclass
-class RoleJob:
-    """One role's per-step work to measure in a pinned subprocess (see :func:`measure`)."""
+class TrainWork:
+    """The trainer's per-step work, set up once from a finished run (its config and newest snapshot): plan and read
+    one step's groups from a store, prepare them, train (forward + backward + optimizer step), publish a snapshot."""
 
-    role: str
-    """``gen`` (:func:`alone_gen`) or ``train`` (:func:`alone_train`)."""
-    cpus: list[int]
-    extra: list[str] = field(default_factory=list)
-    """More arguments: ``--writer ID``, ``--consumer NAME``, ``--snapshots DIR``."""
+    def __init__(self, run_dir: RunDir):
+        import torch
+
+        from relax_hpc.modes import components as C
+        from relax_hpc.roles import load_run_config
+        from relax_hpc.trainer.torch_trainer import TorchTrainer
+        from relax_hpc.weights import SnapshotReader, latest_version
+
+        self.cfg = cfg = load_run_config(run_dir)
+        torch.set_num_threads(cfg.launch.trainer.cpus_per_task)
+        C.seed_everything(cfg.seed)
+        self.policy = C.build_policy(cfg, device_pref=cfg.trainer.device)
+        SnapshotReader(run_dir, name="bench-alone").load_into(self.policy.model, latest_version(run_dir))
+        self.algorithm = C.build_algorithm(cfg)
+        ref, teacher = C.build_aux_models(cfg, self.policy)
+        self.trainer = TorchTrainer(cfg, self.policy.model, device=self.policy.device, dtype=self.policy.dtype,
+                                    algorithm=self.algorithm, ref_model=ref, teacher=teacher)
+
+    def run(self, store: RunDir, consumer: str, snapshots: RunDir, *, iters: int, warmup: int) -> dict[str, float]:
+        """Mean seconds per step of each phase over ``iters`` steps (after ``warmup``)."""
+        from relax_hpc.rollout.groups import samples_to_items
+        from relax_hpc.store import ConsumerGroup
+        from relax_hpc.trainer.prepare import prepare_items
+        from relax_hpc.weights import SnapshotPublisher
+
+        cfg, trainer = self.cfg, self.trainer
+        group = ConsumerGroup(store, consumer, retention="keep")
+        publisher = SnapshotPublisher(snapshots, keep_last=cfg.weights.keep_last)
+        times: dict[str, list[float]] = {k: [] for k in ("plan", "read", "prepare", "train_compute", "publish")}
+        for i in range(warmup + iters):
+            t: dict[str, float] = {}
+            t0 = time.perf_counter()
+            plan = group.plan(i, num_groups=cfg.rollout.prompts_per_step, min_version=0, wait=False)
+            t["plan"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            items = samples_to_items(group.read(plan))
+            t["read"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            prep = prepare_items(items, cfg, self.algorithm)
+            t["prepare"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            trainer.train_step(prep.items)
+            _sync(self.policy.device)
+            t["train_compute"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            publisher.publish(trainer.full_state_dict(), version=trainer.step, step=trainer.step)
+            t["publish"] = time.perf_counter() - t0
+            if i >= warmup:
+                for k, v in t.items():
+                    times[k].append(v)
+        return {k: _mean(v) for k, v in times.items()}
 
 
-def measure(jobs: list[RoleJob], run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int,
-            timeout_s: float, tag: str) -> list[dict[str, float]]:
-    """Run each job in a fresh subprocess pinned to its CPUs, all at the same time; their figures, in order."""
-    procs = []
-    for job in jobs:
-        out = scratch.root / f"{tag}-{job.role}.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(len(job.cpus)), "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "relax_hpc.bench.pipeline", "--alone", job.role, "--run-dir", str(run_dir.root),
+def role_main(role: str, run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int,
+              timeout_s: float) -> dict[str, dict[str, float]]:
+    """One role's side of :func:`measure_roles`, in its pinned process. Phases, in order, handed over by marker
+    files in ``scratch``: generation alone (writes the groups), training alone (on them), both at once
+    (``corun``: generation writes more, training re-reads the first ones as another consumer)."""
+    from relax_hpc.fsio import wait_for
+
+    def mark(name: str) -> None:
+        (scratch.root / name).touch()
+
+    def await_mark(name: str) -> None:
+        wait_for(lambda: (scratch.root / name).exists(), what=f"{name} in {scratch.root}", timeout_s=timeout_s,
+                 poll_s=0.005, max_poll_s=0.05)
+
+    kw = {"iters": iters, "warmup": warmup}
+    if role == "gen":
+        work = GenWork(run_dir)
+        alone = work.run(scratch, "bench-gen.0", **kw)
+        mark("gen-alone.done")
+        await_mark("train-alone.done")
+        corun = work.run(scratch, "bench-corun.0", **kw)
+    else:
+        work2 = TrainWork(run_dir)
+        await_mark("gen-alone.done")
+        alone = work2.run(scratch, "trainer", scratch, **kw)
+        snaps = RunDir.create(scratch.root / "corun-snapshots", name="bench-corun")
+        mark("train-alone.done")
+        corun = work2.run(scratch, "corun", snaps, **kw)
+    return {"alone": alone, "corun": corun}
+
+
+def measure_roles(run_dir: RunDir, scratch: RunDir, *, gen_cpus: list[int], train_cpus: list[int], iters: int,
+                  warmup: int, timeout_s: float) -> dict[str, dict[str, dict[str, float]]]:
+    """Each role's per-step work in a fresh process pinned like the role in the fully_async layout (same CPUs and
+    threads): alone, then both at once (see :func:`role_main`). ``{"gen"|"train": {"alone"|"corun": phases}}``."""
+    procs = {}
+    for role, cpus in (("gen", gen_cpus), ("train", train_cpus)):
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "relax_hpc.bench.pipeline", "--alone", role, "--run-dir", str(run_dir.root),
                "--scratch", str(scratch.root), "--iters", str(iters), "--warmup-iters", str(warmup),
-               "--result", str(out), *job.extra]
-        mask = set(job.cpus)
-        procs.append((job, out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                                 text=True, preexec_fn=lambda m=mask: os.sched_setaffinity(0, m))))
+               "--timeout-s", str(timeout_s)]
+        mask = set(cpus)
+        procs[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       preexec_fn=lambda m=mask: os.sched_setaffinity(0, m))
     deadline = time.monotonic() + timeout_s
-    results = []
+    results = {}
     try:
-        for job, out, proc in procs:
-            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        for role, proc in procs.items():
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if proc.returncode != 0:
-                raise RuntimeError(f"measuring {job.role} ({tag}) failed (exit {proc.returncode}):\n{err[-3000:]}")
-            results.append(json.loads(out.read_text()))
+                raise RuntimeError(f"measuring the {role} role alone failed (exit {proc.returncode}):\n{err[-3000:]}")
+            results[role] = json.loads(out.strip().splitlines()[-1])
     finally:
-        for _, _, proc in procs:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
@@ -515,16 +552,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the run dirs (and write result.json beside them)")
     p.add_argument("--alone-iters", type=int, default=20, help="steps of each role measured alone")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="limit for each run")
-    # internal: one role's per-step work alone, in a pinned subprocess (see measure_alone)
+    # internal: one role's per-step work in a pinned process (see measure_roles)
     p.add_argument("--alone", choices=("gen", "train"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--scratch", default=None, help=argparse.SUPPRESS)
     p.add_argument("--iters", type=int, default=20, help=argparse.SUPPRESS)
     p.add_argument("--warmup-iters", type=int, default=3, help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--writer", default="bench-gen.0", help=argparse.SUPPRESS)
-    p.add_argument("--consumer", default="trainer", help=argparse.SUPPRESS)
-    p.add_argument("--snapshots", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.steps < 2:
         p.error("--steps must be >= 2 (step 1 is not timed)")
@@ -533,11 +566,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _alone_main(a: argparse.Namespace) -> int:
-    fn = alone_gen if a.alone == "gen" else alone_train
-    res = fn(RunDir.open(a.run_dir), RunDir.open(a.scratch), iters=a.iters, warmup=a.warmup_iters, writer=a.writer,
-             consumer=a.consumer, snapshots=RunDir.open(a.snapshots) if a.snapshots else None)
-    Path(a.result).write_text(json.dumps(res))
+    res = role_main(a.alone, RunDir.open(a.run_dir), RunDir.open(a.scratch), iters=a.iters, warmup=a.warmup_iters,
+                    timeout_s=a.timeout_s)
+    print(json.dumps(res))
     return 0
 
 
@@ -547,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.alone:
         return _alone_main(a)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop our role processes and clean up, as on Ctrl-C
     recipe = Path(a.recipe)
     if not recipe.is_file():
         print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
@@ -562,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"num_steps={a.steps}"]
     if a.device:
         common += [f"trainer.device={a.device}", f"rollout.device={a.device}"]
+    if a.device == "cuda":  # both roles share one GPU: NCCL refuses two ranks on one device (--set can turn it on)
+        common.append("weights.fast_path=off")
     common += a.overrides
     made = a.out is None
     out = Path(tempfile.mkdtemp(prefix="relax-bench-pipeline-")) if made else Path(a.out)
@@ -580,18 +619,14 @@ def main(argv: list[str] | None = None) -> int:
             runs[mode] = run_mode(recipe, common + layout_overrides(mode, cores), dirs[mode], timeout_s=a.timeout_s)
         created.append(dirs["alone"])
         scratch = RunDir.create(dirs["alone"], name="bench-alone")
-        snaps = RunDir.create(dirs["alone"] / "corun-snapshots", name="bench-corun")
-        src, kw = runs["fully_async"].run_dir, {"iters": a.alone_iters, "warmup": 3, "timeout_s": a.timeout_s}
-        gen, = measure([RoleJob("gen", [cores[1]])], src, scratch, tag="alone", **kw)
-        train, = measure([RoleJob("train", [cores[0]])], src, scratch, tag="alone", **kw)
-        gen2, train2 = measure([RoleJob("gen", [cores[1]], ["--writer", "bench-corun.0"]),
-                                RoleJob("train", [cores[0]], ["--consumer", "corun", "--snapshots", str(snaps.root)])],
-                               src, scratch, tag="corun", **kw)
-        res.update(compute(runs["colocate"], runs["fully_async"], gen, train, num_steps=a.steps))
-        res["t_gen_corun"], res["t_train_corun"] = gen2["generate"], train2["train_compute"]
-        res["efficiency_vs_corun"] = res["timed_steps"] * max(gen2["generate"], train2["train_compute"]) / \
-            res["fully_async_seconds"]
-        res["breakdown"].update(rollout_corun=gen2, trainer_corun=train2)
+        roles = measure_roles(runs["fully_async"].run_dir, scratch, gen_cpus=[cores[1]], train_cpus=[cores[0]],
+                              iters=a.alone_iters, warmup=3, timeout_s=a.timeout_s)
+        gen, train = roles["gen"], roles["train"]
+        res.update(compute(runs["colocate"], runs["fully_async"], gen["alone"], train["alone"], num_steps=a.steps))
+        res["t_gen_corun"], res["t_train_corun"] = gen["corun"]["generate"], train["corun"]["train_compute"]
+        res["efficiency_vs_corun"] = (res["timed_steps"] * max(res["t_gen_corun"], res["t_train_corun"])
+                                      / res["fully_async_seconds"])
+        res["breakdown"].update(rollout_corun=gen["corun"], trainer_corun=train["corun"])
         res["load_average_after"] = list(os.getloadavg())
         res["warnings"] = [f"{m}: the trainer side exited with code {r.exit_code} after logging every step"
                            for m, r in runs.items() if r.exit_code != 0] + disturbed(runs, a.steps)
@@ -602,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RelaxError, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     finally:
         if not a.keep:
             for d in created:

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         for line in exc.problems:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    from relax_hpc.modes.components import check_backends
+    from relax_hpc.config.checks import check_backends
 
     check_backends(cfg)
     executor = pick_executor(args.executor or cfg.launch.executor)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.events import EventLog, Heartbeat
@@ -78,7 +79,7 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
             if got is not None and got >= newest:
                 engine.version, sync_path = got, "fast"
             else:  # the files are the truth: late joiners, a broken link, or no fast path
-                engine.version, sync_path = reader.load_into(policy.model, newest, verify=cfg.weights.verify), "file"
+                engine.version, sync_path = _load_latest(run_dir, reader, policy.model, cfg.weights.verify), "file"
             t_sync = time.perf_counter() - t0
             hb.beat(version=engine.version)
         t0 = time.perf_counter()
@@ -141,3 +142,20 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
                             f"(paused {pause_total:.1f}s)", step=engine.version)
     hb.stop("stopped")
     return EXIT_REQUEUE if stop.is_set and not finished() else EXIT_OK
+
+
+def _load_latest(run_dir: RunDir, reader: Any, model: Any, verify: str, attempts: int = 20) -> int:
+    """Load the newest complete snapshot. A snapshot can be retired between reading LATEST and taking the lease
+    when the trainer publishes fast: then look again (bounded), rather than fail the worker."""
+    from relax_hpc.errors import SnapshotError
+    from relax_hpc.weights import latest_version
+
+    last: Exception | None = None
+    for _ in range(attempts):
+        newest = latest_version(run_dir)
+        try:
+            return int(reader.load_into(model, newest, verify=verify))
+        except SnapshotError as exc:
+            last = exc
+            time.sleep(0.05)
+    raise SnapshotError(f"no snapshot could be loaded after {attempts} attempts: {last}")

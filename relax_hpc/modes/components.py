@@ -9,7 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from relax_hpc.config.checks import check_backends
 from relax_hpc.config.schema import RecipeConfig
+
+__all__ = ["check_backends"]
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +65,6 @@ def build_aux_models(cfg: RecipeConfig, policy: Policy) -> tuple[Any, Any]:
         teacher = load_model(tcfg, policy.tokenizer, device=policy.device, dtype=policy.dtype).eval()
         teacher.requires_grad_(False)
     return ref, teacher
-
-
-def check_backends(cfg: RecipeConfig) -> None:
-    """Refuse, with one line, backends this version does not ship (before any model is built)."""
-    from relax_hpc.errors import UserError
-
-    if cfg.trainer.backend != "torch":
-        raise UserError(f"trainer.backend={cfg.trainer.backend}: not available in this version; use torch")
-    if cfg.rollout.engine != "hf":
-        raise UserError(f"rollout.engine={cfg.rollout.engine}: not available in this version; use hf")
 
 
 def build_engine(cfg: RecipeConfig, policy: Policy, *, seed: int = 0) -> Any:

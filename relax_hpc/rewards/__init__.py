@@ -1,8 +1,24 @@
-"""Rewards: the function interface (sync/async, single/batched, dict-valued), built-ins and the batch runner."""
+"""Rewards: the function interface (sync/async, single/batched, dict-valued), built-ins and the batch runner.
 
-from relax_hpc.rewards.api import batched, is_async, is_batched
-from relax_hpc.rewards.registry import BUILTIN, check_reward, resolve_reward
-from relax_hpc.rewards.runner import RewardResult, RewardRunner
+Imports are lazy so that validating a recipe (which checks the reward name) stays light.
+"""
 
-__all__ = ["BUILTIN", "RewardResult", "RewardRunner", "batched", "check_reward", "is_async", "is_batched",
-           "resolve_reward"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "batched": "relax_hpc.rewards.api", "is_async": "relax_hpc.rewards.api", "is_batched": "relax_hpc.rewards.api",
+    "BUILTIN": "relax_hpc.rewards.registry", "check_reward": "relax_hpc.rewards.registry",
+    "resolve_reward": "relax_hpc.rewards.registry",
+    "RewardResult": "relax_hpc.rewards.runner", "RewardRunner": "relax_hpc.rewards.runner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'relax_hpc.rewards' has no attribute {name!r}")
