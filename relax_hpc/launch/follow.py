@@ -106,13 +106,19 @@ def follow_slurm(run_dir: RunDir, cfg: RecipeConfig, *, poll_s: float = 2.0) -> 
     from relax_hpc.launch.slurm import run_finished
 
     feed = ProgressFeed(run_dir, cfg)
+    # bounded by what Slurm itself allows the run: its time limit for every allowed requeue, plus queueing slack
+    deadline = time.monotonic() + 60 * cfg.launch.time_min * (cfg.launch.max_requeues + 1) + 24 * 3600
+    done: bool | None = None
     try:
-        while True:
+        while time.monotonic() < deadline:
             feed.tick()
             done = run_finished(run_dir)
             if done is not None:
                 break
             time.sleep(poll_s)
+        else:
+            print(f"stopped following after the run's whole time budget; it may still be queued: {run_dir.root}",
+                  file=sys.stderr)
     finally:
         feed.close()
     print(f"run {'completed' if done else 'failed'}; run dir: {run_dir.root}")
