@@ -47,6 +47,10 @@ def test_bench_pipeline_json(tmp_path):
     assert res["ideal_speedup"] == pytest.approx((res["t_gen"] + res["t_train"]) / slow)
     assert 1.0 <= res["ideal_speedup"] <= 2.0
     assert res["speedup"] == pytest.approx(res["colocate_seconds"] / res["fully_async_seconds"])
+    assert res["efficiency_vs_corun"] == pytest.approx(
+        res["timed_steps"] * max(res["t_gen_corun"], res["t_train_corun"]) / res["fully_async_seconds"])
+    assert res["efficiency_vs_ideal_median"] == pytest.approx(
+        1000 * max(res["t_gen_median"], res["t_train_median"]) / res["fully_async_step_ms_median"])
     assert res["slower_role"] == ("trainer" if res["t_train"] >= res["t_gen"] else "rollout")
     idle = res["trainer_idle_fraction"] if res["slower_role"] == "trainer" else res["rollout_idle_fraction"]
     assert res["slower_role_busy_fraction"] == pytest.approx(1.0 - idle)
@@ -79,6 +83,48 @@ def test_bench_pipeline_json(tmp_path):
     colo = json.loads((out / "colocate" / "config.json").read_text())
     assert colo["mode"] == "colocate" and colo["launch"]["trainer"]["cpu_affinity"] == cores
     assert json.loads((out / "result.json").read_text())["fully_async_seconds"] == res["fully_async_seconds"]
+
+
+def _steps(times: list[float], **metrics: float) -> list[dict]:
+    return [{"time": t, "step": i + 1, "kind": "metrics", "metrics": {"perf/step_time": 0.4, **metrics}}
+            for i, t in enumerate(times)]
+
+
+def test_compute_on_synthetic_runs(tmp_path):
+    """The figures from known metric lines: windows, clipping of rollout cycles at the window's edges, ratios."""
+    from relax_hpc.bench.pipeline import ModeRun, compute
+    from relax_hpc.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    colo = ModeRun("colocate", rd, 0, _steps([10.0, 11.0, 12.0, 13.0], **{
+        "perf/rollout_time": 0.3, "perf/train_time": 0.5, "rollout/reward": 0.5, "train/samples": 128}))
+    asy = ModeRun("fully_async", rd, 0, _steps([20.0, 20.5, 21.0, 21.5], **{
+        "perf/train_wait_time": 0.1, "perf/store_plan_time": 0.02, "perf/train_time": 0.3, "rollout/reward": 0.5,
+        "train/samples": 128, "rollout/staleness_mean": 1.0}))
+    # rollout cycles of 0.5 s ending at 19.75, 20.25, ..., 21.75: each 0.4 s busy + 0.1 s paused
+    asy.rollout = [{"time": 19.75 + 0.5 * k, "kind": "metrics",
+                    "metrics": {"rollout/generate_time": 0.4, "perf/rollout_pause_time": 0.1}} for k in range(5)]
+    phases = {"generate": 0.25, "reward": 0.0, "store_write": 0.0, "weight_load": 0.0}
+    roles = {"gen": {"alone": phases, "alone_median": phases, "corun": {**phases, "generate": 0.3}},
+             "train": {"alone": {"train_compute": 0.4}, "alone_median": {"train_compute": 0.4},
+                       "corun": {"train_compute": 0.45}}}
+    res = compute(colo, asy, roles, num_steps=4)
+    assert res["timed_steps"] == 3
+    assert res["colocate_seconds"] == pytest.approx(3.0) and res["fully_async_seconds"] == pytest.approx(1.5)
+    assert res["speedup"] == pytest.approx(2.0) and res["speedup_median"] == pytest.approx(2.0)
+    assert res["slower_role"] == "trainer" and res["ideal_speedup"] == pytest.approx(0.65 / 0.4)
+    assert res["efficiency_vs_ideal"] == pytest.approx(3 * 0.4 / 1.5)
+    assert res["efficiency_vs_corun"] == pytest.approx(3 * 0.45 / 1.5)
+    assert res["efficiency_vs_ideal_median"] == pytest.approx(0.4 / 0.5)
+    assert res["trainer_wait_fraction"] == pytest.approx(3 * 0.08 / 1.5)
+    assert res["trainer_idle_fraction"] == pytest.approx(1 - 3 * (0.02 + 0.3) / 1.5)
+    # the window [20.0, 21.5] holds three whole cycles: the ones ending at 20.25 and 21.75 count half each
+    assert res["rollout_batches"] == pytest.approx(3.0)
+    assert res["rollout_pause_fraction"] == pytest.approx(0.2)
+    assert res["rollout_idle_fraction"] == pytest.approx(0.2)
+    assert res["samples_per_s_fully_async"] == pytest.approx(3 * 128 / 1.5)
+    assert res["final_reward_colocate"] == res["final_reward_fully_async"] == 0.5
+    assert res["targets"]["final_reward_within_2se"] is None  # a mean over one step has no standard error
 
 
 def test_bench_pipeline_rejects_bad_arguments(tmp_path):

@@ -277,8 +277,8 @@ class GenWork:
         self.stream = C.build_prompt_stream(cfg, self.policy.tokenizer, seed_offset=1000)
         self.rewards = C.build_reward_runner(cfg)
 
-    def run(self, store: RunDir, writer: str, *, iters: int, warmup: int) -> dict[str, float]:
-        """Mean seconds per step of each phase over ``iters`` steps (after ``warmup``)."""
+    def run(self, store: RunDir, writer: str, *, iters: int, warmup: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Mean and median seconds per step of each phase over ``iters`` steps (after ``warmup``)."""
         from relax_hpc.rollout.groups import build_groups, score_completions
         from relax_hpc.store import ShardWriter
 
@@ -308,7 +308,7 @@ class GenWork:
             if i >= warmup:
                 for k, v in t.items():
                     times[k].append(v)
-        return {k: _mean(v) for k, v in times.items()}
+        return {k: _mean(v) for k, v in times.items()}, {k: statistics.median(v) for k, v in times.items()}
 
 
 class TrainWork:
@@ -333,8 +333,9 @@ class TrainWork:
         self.trainer = TorchTrainer(cfg, self.policy.model, device=self.policy.device, dtype=self.policy.dtype,
                                     algorithm=self.algorithm, ref_model=ref, teacher=teacher)
 
-    def run(self, store: RunDir, consumer: str, snapshots: RunDir, *, iters: int, warmup: int) -> dict[str, float]:
-        """Mean seconds per step of each phase over ``iters`` steps (after ``warmup``)."""
+    def run(self, store: RunDir, consumer: str, snapshots: RunDir, *, iters: int,
+            warmup: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Mean and median seconds per step of each phase over ``iters`` steps (after ``warmup``)."""
         from relax_hpc.rollout.groups import samples_to_items
         from relax_hpc.store import ConsumerGroup
         from relax_hpc.trainer.prepare import prepare_items
@@ -365,7 +366,7 @@ class TrainWork:
             if i >= warmup:
                 for k, v in t.items():
                     times[k].append(v)
-        return {k: _mean(v) for k, v in times.items()}
+        return {k: _mean(v) for k, v in times.items()}, {k: statistics.median(v) for k, v in times.items()}
 
 
 def role_main(role: str, run_dir: RunDir, scratch: RunDir, *, iters: int, warmup: int,
@@ -396,7 +397,7 @@ def role_main(role: str, run_dir: RunDir, scratch: RunDir, *, iters: int, warmup
         snaps = RunDir.create(scratch.root / "corun-snapshots", name="bench-corun")
         mark("train-alone.done")
         corun = work2.run(scratch, "corun", snaps, **kw)
-    return {"alone": alone, "corun": corun}
+    return {"alone": alone[0], "alone_median": alone[1], "corun": corun[0], "corun_median": corun[1]}
 
 
 def measure_roles(run_dir: RunDir, scratch: RunDir, *, gen_cpus: list[int], train_cpus: list[int], iters: int,
@@ -459,9 +460,10 @@ def layout_overrides(mode: str, cores: list[int]) -> list[str]:
             f"launch.rollout.cpu_affinity=[{cores[1]}]"]
 
 
-def compute(colo: ModeRun, asy: ModeRun, gen: dict[str, float], train: dict[str, float], *,
+def compute(colo: ModeRun, asy: ModeRun, roles: dict[str, dict[str, dict[str, float]]], *,
             num_steps: int) -> dict[str, Any]:
-    """Every reported figure from the two runs and the roles measured alone."""
+    """Every reported figure from the two runs and the roles measured alone and together (:func:`measure_roles`)."""
+    gen, train = roles["gen"]["alone"], roles["train"]["alone"]
     wc, wa = timed_window(colo, num_steps), timed_window(asy, num_steps)
     c, a = summarize_colocate(colo, wc), summarize_async(asy, wa)
     t_gen, t_train = gen["generate"], train["train_compute"]
@@ -474,7 +476,7 @@ def compute(colo: ModeRun, asy: ModeRun, gen: dict[str, float], train: dict[str,
     slower = "trainer" if t_train >= t_gen else "rollout"
     busy = 1.0 - a[f"{slower}_idle_fraction"]
     eff = steps * slow / a["seconds"]
-    return {
+    out: dict[str, Any] = {
         "steps": num_steps, "timed_steps": steps, "timing": TIMING,
         "colocate_seconds": c["seconds"], "fully_async_seconds": a["seconds"],
         "speedup": c["seconds"] / a["seconds"],
@@ -494,8 +496,18 @@ def compute(colo: ModeRun, asy: ModeRun, gen: dict[str, float], train: dict[str,
         "targets": {"efficiency_vs_ideal>=0.85": eff >= 0.85, "slower_role_busy>=0.90": busy >= 0.90,
                     "final_reward_within_2se": abs(rc - ra) <= noise if math.isfinite(noise) else None},
         "breakdown": {"colocate": c["breakdown"], "fully_async_trainer": a["breakdown"]["trainer"],
-                      "fully_async_rollout": a["breakdown"]["rollout"], "rollout_alone": gen, "trainer_alone": train},
+                      "fully_async_rollout": a["breakdown"]["rollout"], "rollout_alone": gen, "trainer_alone": train,
+                      "rollout_corun": roles["gen"]["corun"], "trainer_corun": roles["train"]["corun"]},
     }
+    # both roles at once: what each role's compute gets when the other CPU is busy too
+    out["t_gen_corun"] = roles["gen"]["corun"]["generate"]
+    out["t_train_corun"] = roles["train"]["corun"]["train_compute"]
+    out["efficiency_vs_corun"] = steps * max(out["t_gen_corun"], out["t_train_corun"]) / a["seconds"]
+    # robust to a few disturbed steps: medians of the iterations and of the step intervals
+    out["t_gen_median"] = roles["gen"]["alone_median"]["generate"]
+    out["t_train_median"] = roles["train"]["alone_median"]["train_compute"]
+    out["efficiency_vs_ideal_median"] = max(out["t_gen_median"], out["t_train_median"]) / wa.median_interval()
+    return out
 
 
 def disturbed(runs: dict[str, ModeRun], num_steps: int) -> list[str]:
@@ -621,12 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = RunDir.create(dirs["alone"], name="bench-alone")
         roles = measure_roles(runs["fully_async"].run_dir, scratch, gen_cpus=[cores[1]], train_cpus=[cores[0]],
                               iters=a.alone_iters, warmup=3, timeout_s=a.timeout_s)
-        gen, train = roles["gen"], roles["train"]
-        res.update(compute(runs["colocate"], runs["fully_async"], gen["alone"], train["alone"], num_steps=a.steps))
-        res["t_gen_corun"], res["t_train_corun"] = gen["corun"]["generate"], train["corun"]["train_compute"]
-        res["efficiency_vs_corun"] = (res["timed_steps"] * max(res["t_gen_corun"], res["t_train_corun"])
-                                      / res["fully_async_seconds"])
-        res["breakdown"].update(rollout_corun=gen["corun"], trainer_corun=train["corun"])
+        res.update(compute(runs["colocate"], runs["fully_async"], roles, num_steps=a.steps))
         res["load_average_after"] = list(os.getloadavg())
         res["warnings"] = [f"{m}: the trainer side exited with code {r.exit_code} after logging every step"
                            for m, r in runs.items() if r.exit_code != 0] + disturbed(runs, a.steps)

@@ -75,7 +75,8 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
         sync_path = ""
         if newest is not None and (engine.version != newest or counter == 0):
             t0 = time.perf_counter()
-            got = fast.pull(engine.version if counter else -1, policy.model) if fast is not None else None
+            # the first weights come from the files (a late joiner starts at once); updates over the fast path
+            got = fast.pull(engine.version, policy.model) if fast is not None and counter else None
             if got is not None and got >= newest:
                 engine.version, sync_path = got, "fast"
             else:  # the files are the truth: late joiners, a broken link, or no fast path

@@ -41,10 +41,27 @@ class FastPathServer:
         self._stop = threading.Event()
         self.sent: dict[int, int] = {}
         """worker -> number of weight transfers served (for tests and metrics)."""
-        self._threads = [threading.Thread(target=self._serve, args=(k,), name=f"fastpath-{k}", daemon=True)
-                         for k in range(num_workers)]
-        for t in self._threads:
-            t.start()
+        self._served: set[int] = set()
+        for k in range(num_workers):
+            self._start(k)
+        # workers added later (``relax-hpc scale``) get a link too: watch the rollout heartbeats for new ranks
+        threading.Thread(target=self._watch, name="fastpath-watch", daemon=True).start()
+
+    def _start(self, worker: int) -> None:
+        self._served.add(worker)
+        threading.Thread(target=self._serve, args=(worker,), name=f"fastpath-{worker}", daemon=True).start()
+
+    def _watch(self, interval_s: float = 2.0) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                names = [p.stem for p in self.run_dir.heartbeats.glob("rollout-*.json")]
+            except OSError:
+                continue
+            for name in names:
+                rank = name.rpartition("-")[2]
+                if rank.isdigit() and int(rank) not in self._served:
+                    log.info("fast path: new rollout worker %s, serving it", name)
+                    self._start(int(rank))
 
     def update(self, version: int, state_dict: Mapping[str, Any]) -> None:
         """Hand over the weights of ``version`` (copied, so the trainer may keep training)."""
@@ -96,8 +113,8 @@ class FastPathServer:
 class FastPathClient:
     """Rollout-worker side: pull newer weights into a model over the link, or report that the files must be used."""
 
-    def __init__(self, run_dir: RunDir, worker: int, *, device: str = "cpu", join_timeout_s: float = 30.0,
-                 timeout_s: float = 600.0, retry_s: float = 30.0):
+    def __init__(self, run_dir: RunDir, worker: int, *, device: str = "cpu", join_timeout_s: float = 10.0,
+                 timeout_s: float = 600.0, retry_s: float = 60.0):
         self.run_dir = run_dir
         self.worker = worker
         self.device = device
