@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import gc
 import itertools
 import json
 import math
@@ -56,7 +58,8 @@ TIMING = ("trainer event-log timestamps from the end of step 1 to the end of the
           "supervised warm-up and step 1 are excluded")
 TRAINER_PHASES = {  # breakdown name -> metric of the trainer-side metric line (per step)
     "plan": "perf/store_plan_time", "read": "perf/store_read_time", "prepare": "perf/prepare_time",
-    "train_compute": "perf/train_time", "publish": "perf/update_weights_time", "checkpoint": "perf/checkpoint_time",
+    "train_compute": "perf/train_time", "weight_handover": "perf/update_weights_time",
+    "checkpoint": "perf/checkpoint_time",
 }
 COLOCATE_PHASES = {
     "generate": "perf/rollout_time", "reward": "perf/reward_time", "store_write": "perf/store_write_time",
@@ -133,6 +136,11 @@ def _num(m: dict[str, Any], key: str) -> float:
 
 def _sum(records: list[dict[str, Any]], key: str) -> float:
     return sum(_num(r["metrics"], key) for r in records)
+
+
+def _fraction(x: float) -> float:
+    """Clipped to [0, 1] (timers of different threads may overlap by a few ms)."""
+    return min(1.0, max(0.0, x))
 
 
 @dataclass
@@ -230,11 +238,12 @@ def summarize_async(run: ModeRun, w: Window) -> dict[str, Any]:
     pause = sum(f * _num(r["metrics"], "perf/rollout_pause_time") for f, r in inside) / n
     rollout = {"pause": pause, **ro, "other": w.seconds / n - pause - sum(ro.values())}
     rollout_busy = sum(ro.values()) * n / w.seconds
-    clamp = lambda x: min(1.0, max(0.0, x))  # noqa: E731
     return {
         "seconds": w.seconds, "samples": _sum(w.steps, "train/samples"),
-        "trainer_idle_fraction": clamp(1.0 - trainer_busy), "trainer_wait_fraction": clamp(wait * n / w.seconds),
-        "rollout_idle_fraction": clamp(1.0 - rollout_busy), "rollout_pause_fraction": clamp(pause * n / w.seconds),
+        "trainer_idle_fraction": _fraction(1.0 - trainer_busy),
+        "trainer_wait_fraction": _fraction(wait * n / w.seconds),
+        "rollout_idle_fraction": _fraction(1.0 - rollout_busy),
+        "rollout_pause_fraction": _fraction(pause * n / w.seconds),
         "staleness_mean": _sum(w.steps, "rollout/staleness_mean") / n,
         "stale_dropped": _sum(w.steps, "rollout/stale_dropped"),
         "fast_path_fraction": (sum(_num(r["metrics"], "weights/fast_path_used") for _, r in inside) / len(inside)
@@ -386,12 +395,14 @@ def role_main(role: str, run_dir: RunDir, scratch: RunDir, *, iters: int, warmup
     kw = {"iters": iters, "warmup": warmup}
     if role == "gen":
         work = GenWork(run_dir)
+        gc.freeze()  # as the roles do: no full collection (~0.5 s) inside a timed step
         alone = work.run(scratch, "bench-gen.0", **kw)
         mark("gen-alone.done")
         await_mark("train-alone.done")
         corun = work.run(scratch, "bench-corun.0", **kw)
     else:
         work2 = TrainWork(run_dir)
+        gc.freeze()
         await_mark("gen-alone.done")
         alone = work2.run(scratch, "trainer", scratch, **kw)
         snaps = RunDir.create(scratch.root / "corun-snapshots", name="bench-corun")
@@ -410,9 +421,8 @@ def measure_roles(run_dir: RunDir, scratch: RunDir, *, gen_cpus: list[int], trai
         cmd = [sys.executable, "-m", "relax_hpc.bench.pipeline", "--alone", role, "--run-dir", str(run_dir.root),
                "--scratch", str(scratch.root), "--iters", str(iters), "--warmup-iters", str(warmup),
                "--timeout-s", str(timeout_s)]
-        mask = set(cpus)
         procs[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       preexec_fn=lambda m=mask: os.sched_setaffinity(0, m))
+                                       preexec_fn=functools.partial(os.sched_setaffinity, 0, set(cpus)))
     deadline = time.monotonic() + timeout_s
     results = {}
     try:
@@ -542,7 +552,7 @@ def print_text(res: dict[str, Any]) -> None:
             print(f"{k:32s} {v:.4g}" if isinstance(v, float) else f"{k:32s} {v}")
     print(f"{'timing':32s} {res['timing']}")
     for k, v in res["targets"].items():
-        print(f"target {k:25s} {'met' if v else 'MISSED'}")
+        print(f"target {k:25s} {'n/a' if v is None else 'met' if v else 'MISSED'}")
     print("\nbreakdown, ms per trainer step (timed steps):")
     for part, phases in res["breakdown"].items():
         print(f"  {part:22s} " + "  ".join(f"{p} {1000 * s:.1f}" for p, s in phases.items()))
@@ -636,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         res.update(compute(runs["colocate"], runs["fully_async"], roles, num_steps=a.steps))
         res["load_average_after"] = list(os.getloadavg())
         res["warnings"] = [f"{m}: the trainer side exited with code {r.exit_code} after logging every step"
+                           + ("" if r.finished else " (no 'finished' event)")
                            for m, r in runs.items() if r.exit_code != 0] + disturbed(runs, a.steps)
     except (ConfigError, UserError) as exc:
         for line in getattr(exc, "problems", None) or [str(exc)]:
