@@ -301,6 +301,12 @@ class WeightSyncConfig(Section):
     verify: Literal["sha256", "size"] = "sha256"
     """How readers verify a snapshot before loading it."""
 
+    @field_validator("fast_path", mode="before")
+    @classmethod
+    def _yaml_bool(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` (and `on`) as a boolean
+        return {False: "off", True: "auto"}.get(v, v) if isinstance(v, bool) else v
+
 
 class StoreConfig(Section):
     """The sharded sample store."""
