@@ -113,9 +113,18 @@ def run_mode(recipe: Path, overrides: list[str], root: Path, *, timeout_s: float
         if time.monotonic() > deadline:
             raise WaitTimeout(f"{cfg.mode} run did not finish within {timeout_s:.0f}s; logs: {run_dir.logs}")
 
+    from relax_hpc.launch.follow import ProgressFeed
+
+    feed = ProgressFeed(run_dir, cfg)  # a progress bar on stderr (stdout stays clean for --json)
+
+    def tick() -> None:
+        feed.tick()
+        check_deadline()
+
     try:
-        code = local.supervise(run_dir, cfg, procs, on_tick=check_deadline, poll_s=0.2)
+        code = local.supervise(run_dir, cfg, procs, on_tick=tick, poll_s=0.2)
     finally:
+        feed.close()
         local.terminate(procs, timeout_s=30)
     if code == 130:  # interrupted: supervise stopped the roles
         raise KeyboardInterrupt
