@@ -166,8 +166,8 @@ def test_separate_placement_status_scale_and_cancel(runs: Callable[..., Any], st
     rec = launch(rd, cfg, python=standin)
     assert [j["kind"] for j in rec["jobs"]] == ["trainer", "rollout_array"]
     assert rec["jobs"][1]["ranks"] == [0, 1]
-    wait_until(lambda: events(rd, "rollout-1", "incarnation") and events(rd, "trainer-0", "incarnation"),
-               "trainer and both workers to start")
+    wait_until(lambda: events(rd, "rollout-0", "incarnation") and events(rd, "rollout-1", "incarnation")
+               and events(rd, "trainer-0", "incarnation"), "trainer and both workers to start")
     for r in (0, 1):  # rank = array task id
         inc = events(rd, f"rollout-{r}", "incarnation")[0]
         assert inc["slurm_array_task_id"] == str(r) and inc["argv"][-2:] == ["--rank", str(r)]
@@ -180,7 +180,8 @@ def test_separate_placement_status_scale_and_cancel(runs: Callable[..., Any], st
 
     up = scale_rollout(rd, 4, python=standin)
     assert up["added"] == [2, 3]
-    wait_until(lambda: events(rd, "rollout-3", "incarnation"), "the added workers to start")
+    wait_until(lambda: events(rd, "rollout-2", "incarnation") and events(rd, "rollout-3", "incarnation"),
+               "the added workers to start")
     assert events(rd, "rollout-2", "incarnation")[0]["slurm_array_job_id"] == up["jobs"][0]
 
     down = scale_rollout(rd, 1, timeout_s=60)
