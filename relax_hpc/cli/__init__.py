@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(COMMANDS[args.command][0])
         return int(module.run(args) or 0)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from relax_hpc.errors import ConfigError
+
+        for line in exc.problems if isinstance(exc, ConfigError) else [str(exc)]:
+            print(f"error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

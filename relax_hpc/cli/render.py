@@ -22,17 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from relax_hpc.config.load import load_recipe
-    from relax_hpc.errors import ConfigError
     from relax_hpc.launch.sbatch import render_run
     from relax_hpc.launch.slurm_time import time_limit_warnings
     from relax_hpc.rundir import RunDir
 
-    try:
-        cfg = load_recipe(args.recipe, args.overrides)
-    except ConfigError as exc:
-        for line in exc.problems:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+    cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
     rd = RunDir(args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     scripts = render_run(rd, cfg)
     for i, s in enumerate(scripts):

@@ -73,14 +73,8 @@ def pick_executor(want: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from relax_hpc.config.load import load_recipe
-    from relax_hpc.errors import ConfigError
 
-    try:
-        cfg = load_recipe(args.recipe, args.overrides)
-    except ConfigError as exc:
-        for line in exc.problems:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+    cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
     from relax_hpc.config.checks import check_backends
 
     check_backends(cfg)

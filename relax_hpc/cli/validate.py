@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,14 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from relax_hpc.config.load import config_to_json, load_recipe
-    from relax_hpc.errors import ConfigError
 
-    try:
-        cfg = load_recipe(args.recipe, args.overrides)
-    except ConfigError as exc:
-        for line in exc.problems:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+    cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
     if args.print_config:
         print(json.dumps(config_to_json(cfg), indent=2))
     else:
