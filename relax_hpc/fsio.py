@@ -196,8 +196,10 @@ def wait_for(
     max_poll_s: float = 1.0,
     log_every_s: float = 30.0,
     logger: logging.Logger | None = None,
+    backoff_after_s: float = 0.0,
 ) -> T:
-    """Poll ``predicate`` until it returns something truthy, with exponential backoff up to ``max_poll_s``.
+    """Poll ``predicate`` until it returns something truthy, with exponential backoff up to ``max_poll_s``
+    (starting after ``backoff_after_s``: short waits are answered within ``poll_s``).
 
     Logs ``waiting for <what>`` once at the start and every ``log_every_s``; raises :class:`WaitTimeout` naming
     ``what`` after ``timeout_s``.
@@ -221,7 +223,8 @@ def wait_for(
             logger.info("still waiting for %s (%.0fs of %.0fs)", what, now - start, timeout_s)
             next_log = now + log_every_s
         time.sleep(min(delay, max(0.0, timeout_s - (now - start))))
-        delay = min(delay * 1.5, max_poll_s)
+        if now - start >= backoff_after_s:
+            delay = min(delay * 1.5, max_poll_s)
 
 
 @contextlib.contextmanager

@@ -268,12 +268,37 @@ def _join(path: Path, group: str, world_size: int, min_generation: int, deadline
         last[0] = f"generation {info.generation} is stale (its store does not answer as published)"
 
 
-def _signature(state_dict: Mapping[str, torch.Tensor]) -> int:
-    h = hashlib.sha256()
+def state_signature(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int | None = None) -> int:
+    """A 56-bit hash of the names, dtypes and shapes of ``state_dict`` (and of ``bucket_bytes`` if given)."""
+    h = hashlib.sha256(b"" if bucket_bytes is None else f"buckets={bucket_bytes};".encode())
     for name in sorted(state_dict):
         t = state_dict[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
     return int.from_bytes(h.digest()[:7], "little")
+
+
+def bucket_names(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """The names of ``state_dict`` in the order :func:`broadcast_state_dict` sends them, cut into buckets of one dtype
+    and at most ``bucket_bytes`` (a tensor larger than that is a bucket of its own). Every rank computes the same
+    buckets from state dicts with equal names, dtypes and shapes."""
+    by_dtype: dict[str, list[str]] = {}
+    for name in sorted(state_dict):
+        by_dtype.setdefault(str(state_dict[name].dtype), []).append(name)
+    out: list[list[str]] = []
+    for dtype in sorted(by_dtype):
+        bucket: list[str] = []
+        size = 0
+        for name in by_dtype[dtype]:
+            t = state_dict[name]
+            n = t.numel() * t.element_size()
+            if bucket and size + n > bucket_bytes:
+                out.append(bucket)
+                bucket, size = [], 0
+            bucket.append(name)
+            size += n
+        if bucket:
+            out.append(bucket)
+    return out
 
 
 def broadcast_state_dict(group: FastPathGroup, state_dict: Mapping[str, torch.Tensor], src: int = 0, *,
@@ -287,7 +312,7 @@ def broadcast_state_dict(group: FastPathGroup, state_dict: Mapping[str, torch.Te
     """
     import torch
 
-    sig = torch.tensor([_signature(state_dict)], dtype=torch.int64, device=group.device)
+    sig = torch.tensor([state_signature(state_dict)], dtype=torch.int64, device=group.device)
     ref = sig.clone()
     group.broadcast(ref, src)
     ok = torch.tensor([int(bool(sig.item() == ref.item()))], dtype=torch.int64, device=group.device)
@@ -296,22 +321,12 @@ def broadcast_state_dict(group: FastPathGroup, state_dict: Mapping[str, torch.Te
         raise RelaxError(f"broadcast_state_dict: the ranks of group {group.info.group!r} hold state dicts with "
                          "different names, dtypes or shapes" + (" (this rank differs)" if sig.item() != ref.item()
                                                                else ""))
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for name in sorted(state_dict):
-        by_dtype.setdefault(state_dict[name].dtype, []).append(state_dict[name])
     total = 0
-    for dtype in sorted(by_dtype, key=str):
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for t in [*by_dtype[dtype], None]:
-            n = 0 if t is None else t.numel() * t.element_size()
-            if bucket and (t is None or size + n > bucket_bytes):
-                _send_bucket(group, bucket, size, src)
-                total += size
-                bucket, size = [], 0
-            if t is not None:
-                bucket.append(t)
-                size += n
+    for names in bucket_names(state_dict, bucket_bytes):
+        bucket = [state_dict[n] for n in names]
+        size = sum(t.numel() * t.element_size() for t in bucket)
+        _send_bucket(group, bucket, size, src)
+        total += size
     return total
 
 

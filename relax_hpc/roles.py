@@ -48,7 +48,27 @@ def _set_threads(cfg: Any, role: str) -> None:
 
 
 def run_role(run_dir_path: str | Path, role: str, rank: int) -> int:
-    """Run ``role`` rank ``rank`` of the run in ``run_dir_path``. Returns the process exit code."""
+    """Run ``role`` rank ``rank`` of the run in ``run_dir_path``. Returns the process exit code.
+
+    With ``RELAX_HPC_PROFILE=DIR`` in the environment the role runs under cProfile and writes ``DIR/<proc>.prof``
+    (read it with ``python -m pstats``).
+    """
+    import os
+
+    out = os.environ.get("RELAX_HPC_PROFILE")
+    if not out:
+        return _run_role(run_dir_path, role, rank)
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(_run_role, run_dir_path, role, rank)
+    finally:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(Path(out) / f"{proc_name(role, rank)}.prof")
+
+
+def _run_role(run_dir_path: str | Path, role: str, rank: int) -> int:
     from relax_hpc.errors import UserError
     from relax_hpc.events import EventLog
 

@@ -82,3 +82,29 @@ def test_client_without_server_falls_back(tmp_path: Path) -> None:
     model = build_tiny_model(TinyModelConfig(), 18, seed=0)
     assert client.pull(-1, model) is None  # nobody serves: the caller loads the snapshot from the files
     assert client.pull(-1, model) is None  # and does not retry at once
+
+
+MISMATCHED_WORKER = textwrap.dedent("""
+    import json, sys
+    from relax_hpc.config.schema import TinyModelConfig
+    from relax_hpc.models.tiny import build_tiny_model
+    from relax_hpc.rundir import RunDir
+    from relax_hpc.weights.fastpath import FastPathClient
+    model = build_tiny_model(TinyModelConfig(), 20, seed=1)  # another vocabulary: other embedding shapes
+    client = FastPathClient(RunDir(sys.argv[1]), 0, join_timeout_s=60)
+    print(json.dumps({"pulled": client.pull(-1, model)}), flush=True)
+""")
+
+
+def test_mismatched_model_is_refused_and_falls_back(tmp_path: Path) -> None:
+    rd = RunDir.create(tmp_path / "run")
+    model = build_tiny_model(TinyModelConfig(), 18, seed=0)
+    server = FastPathServer(rd, 1, timeout_s=120)
+    server.update(1, model.state_dict())
+    worker = subprocess.run([sys.executable, "-c", MISMATCHED_WORKER, str(rd.root)], capture_output=True, text=True,
+                            timeout=120)
+    server.close()
+    assert worker.returncode == 0, worker.stderr
+    assert json.loads(worker.stdout.strip().splitlines()[-1]) == {"pulled": None}  # the files, not wrong weights
+    assert "differ from this worker's model" in worker.stderr
+    assert server.sent.get(0, 0) == 0

@@ -36,6 +36,7 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     from relax_hpc.modes import components as C
     from relax_hpc.rollout.groups import build_groups, score_completions
     from relax_hpc.store import ShardWriter, backlog, new_writer_id
+    from relax_hpc.store.watch import files_watch
     from relax_hpc.weights import SnapshotReader, latest_version
 
     proc = proc_name("rollout", rank)
@@ -68,6 +69,8 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     del first
     P = cfg.rollout.prompts_per_step
     limit = max(cfg.max_staleness, 1) * P
+    watch = files_watch(run_dir.consumer_planned("trainer"), run_dir.weights_latest)
+    hb.beat(state="running", force=True)
     counter = 0
     pause_total = 0.0
     carried = {"pause": 0.0, "sync": 0.0}  # pause and weight loads of passes that ended in a reload, not yet logged
@@ -88,16 +91,19 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
         t0 = time.perf_counter()
         paused = False
         seen = newest
-        poll = 0.001  # the trainer frees room once per step: react within ms (backoff caps a long pause's polling)
-        while backlog(run_dir).groups >= limit and not (finished() or stop.is_set):
-            if not paused:
+        groups = backlog(run_dir).groups
+        # The trainer frees room once per step: react within a millisecond (for the first second of a pause; then
+        # every 20 ms). A poll is a few stats; the backlog and LATEST are read again only when the planned position
+        # or LATEST changed (or every 50 ms).
+        while groups >= limit and not (finished() or stop.is_set):
+            if not paused and time.perf_counter() - t0 > 0.5:  # the monitor shows pauses, not each step's wait
                 hb.beat(state="paused")
                 paused = True
-            stop.wait(poll)
-            poll = min(poll * 1.5, 0.005)
-            newest = latest_version(run_dir)
-            if newest is not None and newest != seen:
-                break  # new weights while paused: reload before generating
+            stop.wait(0.0005 if time.perf_counter() - t0 < 1.0 else 0.02)
+            if watch.changed():
+                groups, newest = backlog(run_dir).groups, latest_version(run_dir)
+                if newest is not None and newest != seen:
+                    break  # new weights while paused: reload before generating
         pause = time.perf_counter() - t0
         pause_total += pause
         if paused:

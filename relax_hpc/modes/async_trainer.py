@@ -12,104 +12,48 @@ corrects them). After every ``weights.publish_every`` steps the new weights are 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from relax_hpc.config.schema import RecipeConfig
-from relax_hpc.events import EventLog, Heartbeat
-from relax_hpc.fsio import atomic_write_json, wait_for
-from relax_hpc.launch.exitcodes import EXIT_OK, EXIT_REQUEUE
-from relax_hpc.launch.signals import StopFlag
+from relax_hpc.fsio import wait_for
 from relax_hpc.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 
-class SnapshotFiles:
-    """Writes the weight snapshot files of trainer rank 0 on one background thread, so that the next step does not
-    wait for their fsyncs. Version order is kept: at most one publish is in flight and the next :meth:`submit` waits
-    for it. Rollout workers see a version when its LATEST is written (or earlier over the fast path); the files stay
-    the truth for late joiners and recovery. :meth:`drain` waits for the pending publish and re-raises its error."""
+class SeenBacklog:
+    """The store backlog as the leader last saw it while waiting for samples, less what it planned since (the
+    ``store/backlog_samples`` figure without another listing of the store)."""
 
-    def __init__(self, session: Any):
-        self.session = session
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot") if session.publisher is not None else None
-        self.pending: Future[None] | None = None
+    def __init__(self) -> None:
+        self.groups = 0
+        self.samples = 0
 
-    def submit(self, version: int, state_dict: dict[str, Any]) -> None:
-        if self.pool is None:
-            return
-        self.drain()
-        live = set()  # tensors that are the live parameters (unsharded): copied, the optimizer changes them
-        for p in self.session.trainer.model.parameters():
-            with contextlib.suppress(RuntimeError):  # sharded parameters have no plain storage
-                live.add(p.untyped_storage().data_ptr())
-        sd = {k: v.detach().clone() if v.untyped_storage().data_ptr() in live else v for k, v in state_dict.items()}
-        self.pending = self.pool.submit(self._publish, version, sd)
+    def update(self, info: Any) -> None:
+        self.groups, self.samples = info.groups, info.samples
 
-    def _publish(self, version: int, state_dict: dict[str, Any]) -> None:
-        from relax_hpc.weights import latest_version
-
-        latest = latest_version(self.session.run_dir)
-        if latest is None or version > latest:
-            self.session.publisher.publish(state_dict, version=version, step=version,
-                                           model_config=getattr(self.session.trainer.model, "config", None))
-
-    def drain(self) -> None:
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
-
-    def close(self) -> None:
-        self.drain()
-        if self.pool is not None:
-            self.pool.shutdown()
+    def taken(self, stats: dict[str, Any]) -> None:
+        gone = int(stats.get("samples", 0)) + int(stats.get("stale_dropped_samples", 0))
+        self.samples = max(0, self.samples - gone)
+        self.groups = max(0, self.groups - int(stats.get("groups", 0)) - int(stats.get("stale_dropped_groups", 0)))
 
 
 def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_size: int = 1) -> int:
-    from relax_hpc.modes import components as C
+    from relax_hpc.modes.trainer_role import SnapshotFiles, end_trainer_role, start_trainer_role
     from relax_hpc.rollout.groups import samples_to_items
-    from relax_hpc.store import ConsumerGroup, backlog
+    from relax_hpc.store import backlog
+    from relax_hpc.store.watch import samples_watch
     from relax_hpc.trainer.prepare import prepare_items
-    from relax_hpc.trainer.session import TrainerSession
-    from relax_hpc.trainer.sft import run_warmup
-    from relax_hpc.trainer.torch_trainer import TorchTrainer
 
-    stop = StopFlag()
-    events = EventLog(run_dir, "trainer", rank)
-    hb = Heartbeat(run_dir, "trainer", rank)
-    hb.start_thread()
-    events.event("started", f"trainer rank {rank}/{world_size}")
-    C.check_backends(cfg)
-    C.seed_everything(cfg.seed)
-    policy = C.build_policy(cfg, device_pref=cfg.trainer.device)
-    algorithm = C.build_algorithm(cfg)
-    ref, teacher = C.build_aux_models(cfg, policy)
-    trainer = TorchTrainer(cfg, policy.model, device=policy.device, dtype=policy.dtype, algorithm=algorithm,
-                           ref_model=ref, teacher=teacher, world_size=world_size, rank=rank)
-    session = TrainerSession(run_dir, cfg, trainer, policy.tokenizer, events, rank=rank)
-    consumer = ConsumerGroup(run_dir, "trainer", rank=rank, world_size=world_size, retention=cfg.store.retention)
-    state = session.resume()
-    plan_seq = -1
-    if state is not None:
-        consumer.resume(state["store_position"])
-        plan_seq = int(state["store_position"].get("step", -1))
-    elif cfg.warmup.steps:
-        from relax_hpc.modes.colocate import _warmup_stream
-
-        m = run_warmup(policy.model, policy.tokenizer, _warmup_stream(cfg, policy.tokenizer, C),
-                       steps=cfg.warmup.steps, lr=cfg.warmup.lr, batch_size=cfg.warmup.batch_size,
-                       max_tokens=cfg.trainer.micro_batch_tokens, device=policy.device)
-        if rank == 0:
-            events.metrics(m, step=0)
-    session.version = trainer.step
+    r = start_trainer_role(run_dir, cfg, "trainer", rank=rank, world_size=world_size)
+    stop, hb, policy, algorithm = r.stop, r.hb, r.policy, r.algorithm
+    trainer, session, consumer, plan_seq = r.trainer, r.session, r.consumer, r.plan_seq
     session.publish()  # the rollout workers start from this version (a no-op if it is already published)
     fast = None
     if cfg.weights.fast_path == "auto" and rank == 0:
@@ -120,6 +64,8 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         # Its serving threads need the GIL a few times per transfer; by default they wait up to 5 ms for each.
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
     files = SnapshotFiles(session)
+    seen = SeenBacklog()
+    watch = samples_watch(run_dir)
     P = cfg.rollout.prompts_per_step
     gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s, GIL held
     hb.beat(state="running", step=trainer.step, version=session.version, force=True)
@@ -140,13 +86,17 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
             t0 = time.perf_counter()
             plan_seq += 1
             if rank == 0:
-                wait_for(lambda: backlog(run_dir).groups > 0 or stop.is_set,
-                         what=f"samples for step {trainer.step + 1}", timeout_s=cfg.store.wait_timeout_s,
-                         poll_s=0.001, max_poll_s=0.005, logger=log)  # each ms of reaction is lost per step
+                # each ms of reaction is lost per step: poll every 0.5 ms (a few stats unless a shard came) for
+                # the first second of a wait, then back off to 20 ms
+                wait_for(lambda: (watch.changed() and seen.update(backlog(run_dir))) or seen.groups > 0
+                         or stop.is_set, what=f"samples for step {trainer.step + 1}",
+                         timeout_s=cfg.store.wait_timeout_s, poll_s=0.0005, max_poll_s=0.02, backoff_after_s=1.0,
+                         logger=log)
                 t1 = time.perf_counter()
                 plan = consumer.plan(plan_seq, num_groups=P - have, min_version=min_version,
                                      stale_policy=cfg.store.stale_policy, wait=False)
                 t_plan += time.perf_counter() - t1
+                seen.taken(plan.stats)
             else:
                 plan = consumer.wait_plan(plan_seq, timeout_s=cfg.store.wait_timeout_s)
             t_wait += time.perf_counter() - t0
@@ -171,9 +121,10 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         if trainer.step % cfg.weights.publish_every == 0 or trainer.step == cfg.num_steps:
             t0 = time.perf_counter()
             sd = trainer.full_state_dict()
-            if fast is not None:
-                fast.update(trainer.step, sd)  # first: the workers may pull it as soon as this step frees room
-            files.submit(trainer.step, sd)
+            if fast is not None:  # first: the workers may pull it as soon as this step frees room
+                files.submit(trainer.step, fast.update(trainer.step, sd).views(), private=True)
+            else:
+                files.submit(trainer.step, sd)
             t_sync = time.perf_counter() - t0
         t_ckpt = time.perf_counter()
         if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
@@ -196,7 +147,7 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
             "perf/tokens_per_s": metrics.get("train/tokens", 0.0) * world_size / step_time,
             "weights/version": float(session.version), "rollout/staleness_mean": float(st.mean()),
             "rollout/staleness_max": float(st.max()), "rollout/stale_dropped": float(stale_dropped),
-            "store/backlog_samples": float(backlog(run_dir).samples) if rank == 0 else 0.0,
+            "store/backlog_samples": float(seen.samples),
             **{f"rollout/staleness_hist_{k}": float((st == k).sum()) for k in range(cfg.max_staleness + 2)},
         })
         session.log_metrics(metrics, trainer.step)
@@ -204,25 +155,7 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         log.info("step %d/%d reward %.3f (%.2fs, waited %.2fs)", trainer.step, cfg.num_steps,
                  metrics["rollout/reward"], step_time, t_wait)
     files.close()
-    if stop.is_set and trainer.step < cfg.num_steps:
-        if session.last_checkpoint_step != trainer.step:
-            pos = consumer.position
-            session.checkpoint({"store_position": pos})
-            if rank == 0:
-                consumer.commit(pos)
-        session.close()
-        events.event("preempted", "checkpointed after a signal; exiting for requeue", step=trainer.step)
-        hb.stop("stopped")
-        return EXIT_REQUEUE
     if fast is not None:
         fast.close()
-    if cfg.trainer.export_final:
-        session.export()
-    if rank == 0:
-        total = time.perf_counter() - t_run
-        atomic_write_json(run_dir.status_file, {"state": "completed", "steps": trainer.step, "time": time.time(),
-                                                "train_seconds": total, "train_wait_seconds": wait_total})
-    session.close()
-    events.event("finished", f"done after {trainer.step} steps", step=trainer.step)
-    hb.stop("stopped")
-    return EXIT_OK
+    total = time.perf_counter() - t_run
+    return end_trainer_role(r, dict, {"train_seconds": total, "train_wait_seconds": wait_total})

@@ -13,12 +13,8 @@ import gc
 import logging
 import time
 import uuid
-from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
-from relax_hpc.events import EventLog, Heartbeat
-from relax_hpc.launch.exitcodes import EXIT_OK, EXIT_REQUEUE
-from relax_hpc.launch.signals import StopFlag
 from relax_hpc.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -27,50 +23,25 @@ log = logging.getLogger(__name__)
 def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_size: int = 1) -> int:
     """Run the whole colocate loop in this process. Returns an exit code (0 done, 3 checkpointed on a signal)."""
     from relax_hpc.modes import components as C
+    from relax_hpc.modes.trainer_role import SnapshotFiles, end_trainer_role, start_trainer_role
     from relax_hpc.rollout.groups import build_groups, samples_to_items, score_completions
-    from relax_hpc.store import ConsumerGroup, ShardWriter
+    from relax_hpc.store import ShardWriter
     from relax_hpc.trainer.prepare import prepare_items
-    from relax_hpc.trainer.session import TrainerSession
-    from relax_hpc.trainer.sft import run_warmup
-    from relax_hpc.trainer.torch_trainer import TorchTrainer
 
-    stop = StopFlag()
-    events = EventLog(run_dir, "colocate", rank)
-    hb = Heartbeat(run_dir, "colocate", rank)
-    hb.start_thread()
-    events.event("started", f"colocate rank {rank}/{world_size}")
-    C.check_backends(cfg)
-    C.seed_everything(cfg.seed)
-    policy = C.build_policy(cfg, device_pref=cfg.trainer.device)
-    algorithm = C.build_algorithm(cfg)
-    ref, teacher = C.build_aux_models(cfg, policy)
-    trainer = TorchTrainer(cfg, policy.model, device=policy.device, dtype=policy.dtype, algorithm=algorithm,
-                           ref_model=ref, teacher=teacher, world_size=world_size, rank=rank)
-    session = TrainerSession(run_dir, cfg, trainer, policy.tokenizer, events, rank=rank)
+    r = start_trainer_role(run_dir, cfg, "colocate", rank=rank, world_size=world_size)
+    stop, hb, policy, algorithm = r.stop, r.hb, r.policy, r.algorithm
+    trainer, session, consumer, plan_seq = r.trainer, r.session, r.consumer, r.plan_seq
     engine = C.build_engine(cfg, policy, seed=cfg.seed + rank)
     stream = C.build_prompt_stream(cfg, policy.tokenizer)
+    if r.state is not None:
+        stream.load_state(r.state["data"])
     rewards = C.build_reward_runner(cfg)
     writer_id = f"colocate-{rank}.{uuid.uuid4().hex[:8]}"
     writer = ShardWriter(run_dir, writer_id)
-    consumer = ConsumerGroup(run_dir, "trainer", rank=rank, world_size=world_size, retention=cfg.store.retention)
-
-    state = session.resume()
-    plan_seq = -1
-    if state is not None:
-        stream.load_state(state["data"])
-        consumer.resume(state["store_position"])
-        plan_seq = int(state["store_position"].get("step", -1))
-    elif cfg.warmup.steps:
-        warm_stream = _warmup_stream(cfg, policy.tokenizer, C)
-        m = run_warmup(policy.model, policy.tokenizer, warm_stream, steps=cfg.warmup.steps, lr=cfg.warmup.lr,
-                       batch_size=cfg.warmup.batch_size, max_tokens=cfg.trainer.micro_batch_tokens,
-                       device=policy.device)
-        events.metrics(m, step=0)
-        events.event("warmup_done", f"{cfg.warmup.steps} supervised warm-up steps", step=0)
-    session.version = trainer.step
     engine.version = trainer.step
     if trainer.step == 0:
         session.publish()
+    files = SnapshotFiles(session)  # generation uses the weights in memory: the files are for the monitor/recovery
 
     n = cfg.rollout.n_samples
     group_counter = 0
@@ -116,7 +87,9 @@ def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_siz
         engine.version = trainer.step
         t_sync = 0.0
         if trainer.step % cfg.weights.publish_every == 0 or trainer.step == cfg.num_steps:
-            t_sync = session.publish()
+            t0 = time.perf_counter()
+            files.submit(trainer.step, trainer.full_state_dict())
+            t_sync = time.perf_counter() - t0
         t_ckpt = time.perf_counter()
         if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
             session.checkpoint({"data": stream.state(), "store_position": consumer.position_after(plan_seq)})
@@ -140,32 +113,8 @@ def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_siz
         hb.beat(step=trainer.step, version=session.version)
         log.info("step %d/%d reward %.3f loss %.4f (%.2fs)", trainer.step, cfg.num_steps,
                  metrics.get("rollout/reward", float("nan")), metrics.get("train/loss", float("nan")), step_time)
-    if stop.is_set and trainer.step < cfg.num_steps:
-        if session.last_checkpoint_step != trainer.step:
-            session.checkpoint({"data": stream.state(), "store_position": consumer.position})
-            if rank == 0:
-                consumer.commit(consumer.position)
-        session.close()
-        events.event("preempted", "checkpointed after a signal; exiting for requeue", step=trainer.step)
-        hb.stop("stopped")
-        return EXIT_REQUEUE
-    if cfg.trainer.export_final:
-        session.export()
-    if rank == 0:
-        from relax_hpc.fsio import atomic_write_json
-
-        atomic_write_json(run_dir.status_file, {"state": "completed", "steps": trainer.step, "time": time.time()})
-    session.close()
-    events.event("finished", f"done after {trainer.step} steps", step=trainer.step)
-    hb.stop("stopped")
-    return EXIT_OK
-
-
-def _warmup_stream(cfg: RecipeConfig, tokenizer: Any, C: Any) -> Any:
-    if cfg.warmup.task is None:
-        return C.build_prompt_stream(cfg, tokenizer, seed_offset=10_000)
-    data = cfg.data.model_copy(update={"task": cfg.warmup.task, "path": None})
-    return C.build_prompt_stream(cfg.model_copy(update={"data": data}), tokenizer, seed_offset=10_000)
+    files.close()
+    return end_trainer_role(r, lambda: {"data": stream.state()})
 
 
 def _barrier(world_size: int) -> None:

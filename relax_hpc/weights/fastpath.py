@@ -2,9 +2,12 @@
 
 One group per worker (``weights-<rank>``, world size 2, formed through the run dir by :mod:`relax_hpc.rendezvous`;
 gloo on CPU, NCCL on GPU), so a worker that dies or lags only affects its own link. On the trainer a daemon thread per
-worker serves it: it waits for the worker's request (the version the worker holds), answers with the newest version
-the trainer has handed to :meth:`FastPathServer.update`, and if that is newer broadcasts the weights in buckets
-(:func:`relax_hpc.rendezvous.broadcast_state_dict`) straight into the worker's parameters. Any failure closes the
+worker serves it: it waits for the worker's request (the version the worker holds and the signature of its
+weights' names, dtypes and shapes), answers with the newest version the trainer has handed to
+:meth:`FastPathServer.update` (or "nothing newer", or "mismatch"), and if that is newer broadcasts the weights in the
+flat buckets :meth:`~FastPathServer.update` packed them into, which the worker copies into its parameters. A transfer
+is two small messages and one message per bucket: the serving thread needs the GIL only between them, so it
+hardly competes with the trainer's compute. Any failure closes the
 link on both sides; the worker then loads the snapshot from the run dir (the files stay the truth: for recovery,
 late joiners and the monitor) and re-forms the link later. The trainer keeps one extra copy of the weights for
 the serving threads, so serving never blocks or races with the next optimizer step.
@@ -18,6 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from relax_hpc.errors import RelaxError
 from relax_hpc.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -25,6 +29,64 @@ log = logging.getLogger(__name__)
 
 def link_name(worker: int) -> str:
     return f"weights-{worker}"
+
+
+class PackedWeights:
+    """A state dict packed into flat byte buckets (:func:`relax_hpc.rendezvous.bucket_names`), with its signature.
+
+    The trainer packs each new version once; a worker keeps one set of receive buffers for its model and unpacks
+    them into its parameters in place. Both sides compute the same layout from equal names, dtypes and shapes; the
+    signature (which covers ``bucket_bytes`` too) tells whether they do."""
+
+    def __init__(self, state_dict: Mapping[str, Any], *, bucket_bytes: int, device: Any, pack: bool):
+        import torch
+
+        from relax_hpc.rendezvous import bucket_names, state_signature
+
+        self.state_dict = state_dict
+        self.signature = state_signature(state_dict, bucket_bytes)
+        self.names = bucket_names(state_dict, bucket_bytes)
+        self.buckets: list[torch.Tensor] = []
+        with torch.no_grad():
+            for names in self.names:
+                tensors = [state_dict[n] for n in names]
+                flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8,
+                                   device=device)
+                if pack:
+                    off = 0
+                    for t in tensors:
+                        n = t.numel() * t.element_size()
+                        flat[off:off + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+                        off += n
+                self.buckets.append(flat)
+
+    def views(self) -> dict[str, Any]:
+        """The packed weights as a state dict of views into the buckets (no copy; the buckets never change)."""
+        out = {}
+        for names, flat in zip(self.names, self.buckets):
+            off = 0
+            for name in names:
+                t = self.state_dict[name]
+                n = t.numel() * t.element_size()
+                out[name] = flat[off:off + n].view(t.dtype).view(t.shape)
+                off += n
+        return out
+
+    def unpack(self) -> None:
+        """Copy the buckets into the tensors of the state dict this was made from (in place)."""
+        import torch
+
+        with torch.no_grad():
+            for names, flat in zip(self.names, self.buckets):
+                off = 0
+                for name in names:
+                    t = self.state_dict[name]
+                    n = t.numel() * t.element_size()
+                    t.copy_(flat[off:off + n].view(t.dtype).view(t.shape))
+                    off += n
+
+
+NOTHING_NEWER, MISMATCH = -1, -2
 
 
 class FastPathServer:
@@ -36,7 +98,7 @@ class FastPathServer:
         self.device = device
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
-        self._latest: tuple[int, dict[str, Any]] | None = None
+        self._latest: tuple[int, PackedWeights] | None = None
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.sent: dict[int, int] = {}
@@ -63,15 +125,14 @@ class FastPathServer:
                     log.info("fast path: new rollout worker %s, serving it", name)
                     self._start(int(rank))
 
-    def update(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        """Hand over the weights of ``version`` (copied, so the trainer may keep training)."""
-        import torch
-
-        with torch.no_grad():
-            copy = {k: v.detach().to(self.device, copy=True) for k, v in state_dict.items()}
+    def update(self, version: int, state_dict: Mapping[str, Any]) -> PackedWeights:
+        """Hand over the weights of ``version`` (packed into buckets: a copy, so the trainer may keep training).
+        Returns the packed copy (its :meth:`~PackedWeights.views` may be written to the snapshot files)."""
+        packed = PackedWeights(state_dict, bucket_bytes=self.bucket_bytes, device=self.device, pack=True)
         with self._cond:
-            self._latest = (version, copy)
+            self._latest = (version, packed)
             self._cond.notify_all()
+        return packed
 
     def close(self) -> None:
         self._stop.set()
@@ -81,7 +142,7 @@ class FastPathServer:
     def _serve(self, worker: int) -> None:
         import torch
 
-        from relax_hpc.rendezvous import broadcast_state_dict, form_group
+        from relax_hpc.rendezvous import form_group
 
         while not self._stop.is_set():
             try:
@@ -91,18 +152,22 @@ class FastPathServer:
                 log.debug("fast path to rollout-%d not formed: %s", worker, exc)
                 continue
             log.info("fast path to rollout-%d formed (generation %d)", worker, group.generation)
+            req = torch.zeros(2, dtype=torch.int64, device=group.device)
+            hdr = torch.zeros(1, dtype=torch.int64, device=group.device)
             try:
                 while not self._stop.is_set():
-                    req = torch.zeros(1, dtype=torch.int64, device=group.device)
-                    group.broadcast(req, src=1)  # the worker asks, telling the version it holds
+                    group.broadcast(req, src=1)  # the worker asks: [version it holds, signature of its weights]
+                    have, signature = req.tolist()
                     with self._cond:
                         latest = self._latest
-                    have = int(req.item())
-                    version = latest[0] if latest is not None and latest[0] > have else -1
-                    hdr = torch.tensor([version], dtype=torch.int64, device=group.device)
+                    version = NOTHING_NEWER
+                    if latest is not None and latest[0] > have:
+                        version = latest[0] if latest[1].signature == signature else MISMATCH
+                    hdr.fill_(version)
                     group.broadcast(hdr, src=0)
                     if version >= 0 and latest is not None:
-                        broadcast_state_dict(group, latest[1], src=0, bucket_bytes=self.bucket_bytes)
+                        for flat in latest[1].buckets:
+                            group.broadcast(flat, src=0)
                         self.sent[worker] = self.sent.get(worker, 0) + 1
             except Exception as exc:
                 log.info("fast path to rollout-%d closed: %s", worker, str(exc).splitlines()[0] if str(exc) else exc)
@@ -114,8 +179,10 @@ class FastPathClient:
     """Rollout-worker side: pull newer weights into a model over the link, or report that the files must be used."""
 
     def __init__(self, run_dir: RunDir, worker: int, *, device: str = "cpu", join_timeout_s: float = 10.0,
-                 timeout_s: float = 600.0, retry_s: float = 60.0):
+                 timeout_s: float = 600.0, retry_s: float = 60.0, bucket_bytes: int = 256 << 20):
         self.run_dir = run_dir
+        self.bucket_bytes = bucket_bytes
+        self._recv: PackedWeights | None = None
         self.worker = worker
         self.device = device
         self.join_timeout_s = join_timeout_s
@@ -147,25 +214,35 @@ class FastPathClient:
         """Ask for weights newer than ``have_version``; copy them into ``target`` (module or state dict) in place.
 
         Returns the version received, ``have_version`` if the trainer has nothing newer, or None if the link is
-        down (load the snapshot from the run dir instead).
+        down or the trainer's weights do not match ``target`` (load the snapshot from the run dir instead).
         """
         import torch
-
-        from relax_hpc.rendezvous import broadcast_state_dict
 
         if not self._connect():
             return None
         g = self._group
         try:
-            g.broadcast(torch.tensor([have_version], dtype=torch.int64, device=g.device), src=1)
+            sd = target.state_dict() if hasattr(target, "state_dict") else target
+            if self._recv is None or self._recv.state_dict.keys() != sd.keys() or any(
+                    self._recv.state_dict[k].data_ptr() != v.data_ptr() for k, v in sd.items()):
+                self._recv = PackedWeights(sd, bucket_bytes=self.bucket_bytes, device=g.device, pack=False)
+            g.broadcast(torch.tensor([have_version, self._recv.signature], dtype=torch.int64, device=g.device), src=1)
             hdr = torch.zeros(1, dtype=torch.int64, device=g.device)
             g.broadcast(hdr, src=0)
             version = int(hdr.item())
-            if version < 0:
+            if version == MISMATCH:
+                raise RelaxError("the trainer's weights differ from this worker's model in names, dtypes or shapes")
+            if version == NOTHING_NEWER:
                 return have_version
-            sd = target.state_dict() if hasattr(target, "state_dict") else target
-            broadcast_state_dict(g, sd, src=0)
+            for flat in self._recv.buckets:
+                g.broadcast(flat, src=0)
+            self._recv.unpack()
             return version
+        except RelaxError as exc:  # lasting: retry only after retry_s
+            log.warning("fast path refused (%s); using weight snapshots", exc)
+            self.close()
+            self._next_try = time.monotonic() + self.retry_s
+            return None
         except Exception as exc:
             log.info("fast path broke (%s); using weight snapshots", str(exc).splitlines()[0] if str(exc) else exc)
             self.close()
