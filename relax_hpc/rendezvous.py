@@ -85,11 +85,26 @@ class FastPathGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` in place from rank ``src``."""
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Any:
+        """Start a broadcast of ``tensor`` from rank ``src``; returns its work (``is_completed()``, ``wait()``)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self._pg.broadcast([tensor], opts).wait()
+        return self._pg.broadcast([tensor], opts)
+
+    def set_key(self, key: str, value: str) -> None:
+        """Set ``key`` in the group's store (served by rank 0's process on a C++ thread: no Python there)."""
+        self._store.set(key, value)
+
+    def get_key(self, key: str, *, known: bool = False) -> str | None:
+        """The value of ``key`` in the group's store, or None if it is not set (does not wait; ``known``: it is
+        set, skip the check)."""
+        if not known and not self._store.check([key]):
+            return None
+        return self._store.get(key).decode()
 
     def all_reduce(self, tensor: torch.Tensor, op: Literal["sum", "min", "max"] = "sum") -> None:
         """All-reduce ``tensor`` in place."""

@@ -90,9 +90,18 @@ MISMATCHED_WORKER = textwrap.dedent("""
     from relax_hpc.models.tiny import build_tiny_model
     from relax_hpc.rundir import RunDir
     from relax_hpc.weights.fastpath import FastPathClient
+    import time, torch
     model = build_tiny_model(TinyModelConfig(), 20, seed=1)  # another vocabulary: other embedding shapes
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     client = FastPathClient(RunDir(sys.argv[1]), 0, join_timeout_s=60)
-    print(json.dumps({"pulled": client.pull(-1, model)}), flush=True)
+    pulled = -1
+    for _ in range(600):  # over gloo the trainer pushes: a pull returns -1 until the header arrived
+        pulled = client.pull(-1, model)
+        if pulled != -1:
+            break
+        time.sleep(0.05)
+    same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    print(json.dumps({"pulled": pulled, "unchanged": same}), flush=True)
 """)
 
 
@@ -105,6 +114,6 @@ def test_mismatched_model_is_refused_and_falls_back(tmp_path: Path) -> None:
                             timeout=120)
     server.close()
     assert worker.returncode == 0, worker.stderr
-    assert json.loads(worker.stdout.strip().splitlines()[-1]) == {"pulled": None}  # the files, not wrong weights
+    # refused: the worker loads the files instead, and its weights were not touched
+    assert json.loads(worker.stdout.strip().splitlines()[-1]) == {"pulled": None, "unchanged": True}
     assert "differ from this worker's model" in worker.stderr
-    assert server.sent.get(0, 0) == 0

@@ -2,15 +2,25 @@
 
 One group per worker (``weights-<rank>``, world size 2, formed through the run dir by :mod:`relax_hpc.rendezvous`;
 gloo on CPU, NCCL on GPU), so a worker that dies or lags only affects its own link. On the trainer a daemon thread per
-worker serves it: it waits for the worker's request (the version the worker holds and the signature of its
-weights' names, dtypes and shapes), answers with the newest version the trainer has handed to
-:meth:`FastPathServer.update` (or "nothing newer", or "mismatch"), and if that is newer broadcasts the weights in the
-flat buckets :meth:`~FastPathServer.update` packed them into, which the worker copies into its parameters. A transfer
-is two small messages and one message per bucket: the serving thread needs the GIL only between them, so it
-hardly competes with the trainer's compute. Any failure closes the
-link on both sides; the worker then loads the snapshot from the run dir (the files stay the truth: for recovery,
-late joiners and the monitor) and re-forms the link later. The trainer keeps one extra copy of the weights for
-the serving threads, so serving never blocks or races with the next optimizer step.
+worker serves it. The weights of a version are packed once into flat buckets by :meth:`FastPathServer.update`; a
+transfer is a header (version, signature of the names, dtypes and shapes) and one message per bucket, which the
+worker copies into its parameters.
+
+Two ways to serve, by backend:
+
+* gloo (push): as soon as a new version is handed over, the serving thread announces it in the link's store
+  (``version signature``) and sends its buckets, which wait in the link until the worker takes them.
+  :meth:`FastPathClient.pull` reads the announcement (the store is served by a C++ thread of the trainer process)
+  and receives only when it is newer, so neither asking nor receiving waits for the trainer's busy core and GIL.
+  While the thread waits for the worker to take one version it announces no other: the worker takes it and the
+  next one comes in its next pull.
+* NCCL (request): the worker asks with the version it holds and its signature, the thread answers with the newest
+  version (or "nothing newer", or "mismatch") and the buckets. A receive posted in advance would be a GPU kernel
+  spinning beside generation, so NCCL waits for the worker's request instead.
+
+Any failure closes the link on both sides; the worker then loads the snapshot from the run dir (the files stay the
+truth: for recovery, late joiners and the monitor) and re-forms the link later. The trainer keeps one extra copy of
+the weights (the packed one) for the serving threads, so serving never blocks or races with the next optimizer step.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ class PackedWeights:
         from relax_hpc.rendezvous import bucket_names, state_signature
 
         self.state_dict = state_dict
+        self._views: dict[str, Any] | None = None
         self.signature = state_signature(state_dict, bucket_bytes)
         self.names = bucket_names(state_dict, bucket_bytes)
         self.buckets: list[torch.Tensor] = []
@@ -62,31 +73,29 @@ class PackedWeights:
 
     def views(self) -> dict[str, Any]:
         """The packed weights as a state dict of views into the buckets (no copy; the buckets never change)."""
-        out = {}
-        for names, flat in zip(self.names, self.buckets):
-            off = 0
-            for name in names:
-                t = self.state_dict[name]
-                n = t.numel() * t.element_size()
-                out[name] = flat[off:off + n].view(t.dtype).view(t.shape)
-                off += n
-        return out
-
-    def unpack(self) -> None:
-        """Copy the buckets into the tensors of the state dict this was made from (in place)."""
-        import torch
-
-        with torch.no_grad():
+        if self._views is None:
+            self._views = {}
             for names, flat in zip(self.names, self.buckets):
                 off = 0
                 for name in names:
                     t = self.state_dict[name]
                     n = t.numel() * t.element_size()
-                    t.copy_(flat[off:off + n].view(t.dtype).view(t.shape))
+                    self._views[name] = flat[off:off + n].view(t.dtype).view(t.shape)
                     off += n
+        return self._views
+
+    def unpack(self) -> None:
+        """Copy the buckets into the tensors of the state dict this was made from (in place, one foreach copy)."""
+        import torch
+
+        views = self.views()
+        names = list(views)
+        with torch.no_grad():
+            torch._foreach_copy_([self.state_dict[n] for n in names], [views[n] for n in names])
 
 
 NOTHING_NEWER, MISMATCH = -1, -2
+ANNOUNCE_KEY = "announced"
 
 
 class FastPathServer:
@@ -140,8 +149,6 @@ class FastPathServer:
             self._cond.notify_all()
 
     def _serve(self, worker: int) -> None:
-        import torch
-
         from relax_hpc.rendezvous import form_group
 
         while not self._stop.is_set():
@@ -152,27 +159,54 @@ class FastPathServer:
                 log.debug("fast path to rollout-%d not formed: %s", worker, exc)
                 continue
             log.info("fast path to rollout-%d formed (generation %d)", worker, group.generation)
-            req = torch.zeros(2, dtype=torch.int64, device=group.device)
-            hdr = torch.zeros(1, dtype=torch.int64, device=group.device)
             try:
-                while not self._stop.is_set():
-                    group.broadcast(req, src=1)  # the worker asks: [version it holds, signature of its weights]
-                    have, signature = req.tolist()
-                    with self._cond:
-                        latest = self._latest
-                    version = NOTHING_NEWER
-                    if latest is not None and latest[0] > have:
-                        version = latest[0] if latest[1].signature == signature else MISMATCH
-                    hdr.fill_(version)
-                    group.broadcast(hdr, src=0)
-                    if version >= 0 and latest is not None:
-                        for flat in latest[1].buckets:
-                            group.broadcast(flat, src=0)
-                        self.sent[worker] = self.sent.get(worker, 0) + 1
+                (self._push if uses_push(self.device) else self._answer)(worker, group)
             except Exception as exc:
                 log.info("fast path to rollout-%d closed: %s", worker, str(exc).splitlines()[0] if str(exc) else exc)
             finally:
                 group.close()
+
+    def _push(self, worker: int, group: Any) -> None:
+        """gloo: announce and send every new version as soon as it is handed over (the newest at that time)."""
+        sent = -1
+        while not self._stop.is_set():
+            with self._cond:
+                while not self._stop.is_set() and (self._latest is None or self._latest[0] <= sent):
+                    self._cond.wait(timeout=1.0)
+                latest = self._latest
+            if self._stop.is_set() or latest is None:
+                return
+            group.set_key(ANNOUNCE_KEY, f"{latest[0]} {latest[1].signature}")
+            for flat in latest[1].buckets:
+                group.broadcast(flat, src=0)  # returns when the worker took it (or the link failed)
+            sent = latest[0]
+            self.sent[worker] = self.sent.get(worker, 0) + 1
+
+    def _answer(self, worker: int, group: Any) -> None:
+        """NCCL: wait for the worker's request, answer with the newest version (or none, or a mismatch)."""
+        import torch
+
+        req = torch.zeros(2, dtype=torch.int64, device=group.device)
+        hdr = torch.zeros(1, dtype=torch.int64, device=group.device)
+        while not self._stop.is_set():
+            group.broadcast(req, src=1)  # the worker asks: [version it holds, signature of its weights]
+            have, signature = req.tolist()
+            with self._cond:
+                latest = self._latest
+            version = NOTHING_NEWER
+            if latest is not None and latest[0] > have:
+                version = latest[0] if latest[1].signature == signature else MISMATCH
+            hdr.fill_(version)
+            group.broadcast(hdr, src=0)
+            if version >= 0 and latest is not None:
+                for flat in latest[1].buckets:
+                    group.broadcast(flat, src=0)
+                self.sent[worker] = self.sent.get(worker, 0) + 1
+
+
+def uses_push(device: str) -> bool:
+    """Whether links on ``device`` push new versions (gloo) or answer requests (NCCL)."""
+    return not str(device).startswith("cuda")
 
 
 class FastPathClient:
@@ -183,6 +217,10 @@ class FastPathClient:
         self.run_dir = run_dir
         self.bucket_bytes = bucket_bytes
         self._recv: PackedWeights | None = None
+        self._taken = -1  # gloo: the newest version received over the current link
+        self._target: Any = None  # what the receive buffers unpack into: its tensors and where they lived
+        self._tensors: list[Any] = []
+        self._ptrs: list[int] = []
         self.worker = worker
         self.device = device
         self.join_timeout_s = join_timeout_s
@@ -211,33 +249,25 @@ class FastPathClient:
             return False
 
     def pull(self, have_version: int, target: Any) -> int | None:
-        """Ask for weights newer than ``have_version``; copy them into ``target`` (module or state dict) in place.
+        """Take weights newer than ``have_version`` if the trainer has any; copy them into ``target`` (module or
+        state dict) in place.
 
-        Returns the version received, ``have_version`` if the trainer has nothing newer, or None if the link is
-        down or the trainer's weights do not match ``target`` (load the snapshot from the run dir instead).
+        Returns the version received, ``have_version`` if there is nothing newer (over gloo: nothing has arrived
+        yet; this does not wait), or None if the link is down or the trainer's weights do not match ``target``
+        (load the snapshot from the run dir instead).
         """
-        import torch
-
         if not self._connect():
             return None
         g = self._group
         try:
-            sd = target.state_dict() if hasattr(target, "state_dict") else target
-            if self._recv is None or self._recv.state_dict.keys() != sd.keys() or any(
-                    self._recv.state_dict[k].data_ptr() != v.data_ptr() for k, v in sd.items()):
+            if self._recv is None or target is not self._target or self._moved():
+                sd = target.state_dict() if hasattr(target, "state_dict") else target
                 self._recv = PackedWeights(sd, bucket_bytes=self.bucket_bytes, device=g.device, pack=False)
-            g.broadcast(torch.tensor([have_version, self._recv.signature], dtype=torch.int64, device=g.device), src=1)
-            hdr = torch.zeros(1, dtype=torch.int64, device=g.device)
-            g.broadcast(hdr, src=0)
-            version = int(hdr.item())
-            if version == MISMATCH:
-                raise RelaxError("the trainer's weights differ from this worker's model in names, dtypes or shapes")
-            if version == NOTHING_NEWER:
-                return have_version
-            for flat in self._recv.buckets:
-                g.broadcast(flat, src=0)
-            self._recv.unpack()
-            return version
+                self._target = target
+                self._tensors = list(target.parameters()) + list(target.buffers()) if hasattr(
+                    target, "parameters") else list(target.values())
+                self._ptrs = [t.data_ptr() for t in self._tensors]
+            return (self._take if uses_push(self.device) else self._request)(g, have_version)
         except RelaxError as exc:  # lasting: retry only after retry_s
             log.warning("fast path refused (%s); using weight snapshots", exc)
             self.close()
@@ -249,7 +279,51 @@ class FastPathClient:
             self._next_try = time.monotonic() + 1.0
             return None
 
+    def _moved(self) -> bool:
+        """Whether a tensor of the target got new storage (``p.data = ...``) since the receive buffers were made.
+        Loading in place (``copy_``, as the snapshot reader does) keeps them; so must anything else that changes
+        the target's weights while it is pulled into."""
+        return any(t.data_ptr() != p for t, p in zip(self._tensors, self._ptrs))
+
+    def _take(self, g: Any, have_version: int) -> int:
+        """gloo: receive the announced version if it is new to this link (its buckets are already on the way)."""
+        assert self._recv is not None
+        note = g.get_key(ANNOUNCE_KEY, known=self._taken >= 0)
+        if note is None:
+            return have_version
+        version, signature = (int(x) for x in note.split())
+        if version <= self._taken:
+            return have_version  # nothing newer announced
+        if signature != self._recv.signature:
+            raise RelaxError("the trainer's weights differ from this worker's model in names, dtypes or shapes")
+        for work in [g.broadcast_async(flat, src=0) for flat in self._recv.buckets]:
+            work.wait()
+        self._taken = version
+        if version <= have_version:
+            return have_version  # the files were newer (a late link): keep what the model holds
+        self._recv.unpack()
+        return version
+
+    def _request(self, g: Any, have_version: int) -> int:
+        """NCCL: ask for a version newer than ``have_version`` and receive it."""
+        import torch
+
+        assert self._recv is not None
+        g.broadcast(torch.tensor([have_version, self._recv.signature], dtype=torch.int64, device=g.device), src=1)
+        hdr = torch.zeros(1, dtype=torch.int64, device=g.device)
+        g.broadcast(hdr, src=0)
+        version = int(hdr.item())
+        if version == MISMATCH:
+            raise RelaxError("the trainer's weights differ from this worker's model in names, dtypes or shapes")
+        if version == NOTHING_NEWER:
+            return have_version
+        for flat in self._recv.buckets:
+            g.broadcast(flat, src=0)
+        self._recv.unpack()
+        return version
+
     def close(self) -> None:
+        self._taken = -1
         if self._group is not None:
             self._group.close()
             self._group = None
