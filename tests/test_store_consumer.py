@@ -14,6 +14,8 @@ from relax_hpc.errors import RunDirError, StoreError, WaitTimeout
 from relax_hpc.fsio import read_json
 from relax_hpc.rundir import RunDir
 from relax_hpc.store import ConsumerGroup, Sample, SampleGroup, ShardWriter, backlog
+from relax_hpc.store import consumer as consumer_mod
+from relax_hpc.store.shard_reader import LoadedShard, ShardFile
 
 
 def group(gid: str, n: int = 4, version: int = 0, length: int = 5) -> SampleGroup:
@@ -219,19 +221,81 @@ def test_corrupt_shards_are_quarantined_and_counted(rd: RunDir, caplog: pytest.L
     assert rd.quarantine_file(f"w.0.{trunc.path.name}").exists()  # retention never deletes quarantined shards
 
 
-def test_group_in_quarantine_is_still_read_by_later_plans(rd: RunDir) -> None:
+def flip_bit(path: Path, dataset: str, byte: int = 0) -> None:
+    with h5py.File(path, "r") as f:
+        offset = int(f[dataset].id.get_offset())
+    data = bytearray(path.read_bytes())
+    data[offset + byte] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damaged", ["before plan", "between plan and read"])
+def test_group_in_quarantine_is_still_read_by_later_plans(rd: RunDir, damaged: str) -> None:
     info = ShardWriter(rd, "w.0").write([group("a"), group("b")])
-    c = ConsumerGroup(rd)
+    if damaged == "before plan":  # the leader reads the small shard's data when it plans it
+        flip_bit(info.path, "response_ids")  # group a
+        c = ConsumerGroup(rd)
+    else:  # the data is read at read time: no data cache
+        c = ConsumerGroup(rd, data_cache_bytes=0)
     p1 = c.plan(1, num_groups=1, timeout_s=1)
     assert p1.position_after["writers"]["w.0"] == [0, 1, 4]
-    with h5py.File(info.path, "r") as f:
-        offset = int(f["response_ids"].id.get_offset())
-    data = bytearray(info.path.read_bytes())
-    data[offset] ^= 0x01  # group a
-    info.path.write_bytes(bytes(data))
+    if damaged != "before plan":
+        flip_bit(info.path, "response_ids")
     assert c.read(p1) == []  # group a is damaged: quarantined, not returned
     p2 = c.plan(2, 4, timeout_s=1)  # the partly consumed shard is found in quarantine
     assert uids(c.read(p2)) == [f"b/{i}" for i in range(4)]
+    assert c.counters["quarantined_samples"] == 4
+
+
+def test_leader_reads_small_shards_once(rd: RunDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = ShardWriter(rd, "w.0")
+    for k in range(3):
+        w.write([group(f"g{k}.{j}") for j in range(4)])
+    opened: list[str] = []
+    real_load, real_open = consumer_mod.load_small, consumer_mod.open_shard
+
+    def counting_load(path: Path, max_bytes: int) -> LoadedShard | None:
+        opened.append(f"load {path.name}")
+        return real_load(path, max_bytes)
+
+    def counting_open(path: Path) -> ShardFile:
+        opened.append(f"open {path.name}")
+        return real_open(path)
+
+    monkeypatch.setattr(consumer_mod, "load_small", counting_load)
+    monkeypatch.setattr(consumer_mod, "open_shard", counting_open)
+    c = ConsumerGroup(rd, data_cache_bytes=1 << 20)
+    got: list[str] = []
+    for step in range(1, 7):  # two steps per shard: its data is kept until both halves are read
+        got += uids(c.read(c.plan(step, num_groups=2, timeout_s=1)))
+        assert len(c._data) == step % 2
+    assert got == [f"g{k}.{j}/{i}" for k in range(3) for j in range(4) for i in range(4)]
+    assert len(opened) == 3 and all(o.startswith("load ") for o in opened)  # one read per shard, no HDF5 library
+    tiny = ConsumerGroup(rd, "tiny", data_cache_bytes=100)  # shards bigger than the cache: read again to read
+    assert len(tiny.read(tiny.plan(1, num_groups=2, timeout_s=1))) == 8 and not tiny._data
+    assert len(opened) == 5
+    monkeypatch.setattr(consumer_mod, "load_small", lambda path, max_bytes: None)  # e.g. a shard with tensors
+    lib = ConsumerGroup(rd, "lib")
+    assert uids(lib.read(lib.plan(1, num_groups=2, timeout_s=1))) == got[:8]
+    assert opened[5:] == ["open 000000000000.s16.g4.v0-0.h5"]  # plan reads header and data in one open
+
+
+def test_torn_or_missing_plan_file_is_planned_again(rd: RunDir) -> None:
+    w = ShardWriter(rd, "w.0")
+    for k in range(3):
+        w.write([group(f"g{k}")])
+    c = ConsumerGroup(rd)
+    c.plan(1, 4, timeout_s=1)
+    checkpoint = c.position_after(1)
+    c.plan(2, 4, timeout_s=1)
+    c.plan(3, 4, timeout_s=1)
+    rd.consumer_plan(2).write_text('{"step": 2, "consu')  # a machine crash left it torn (no fsync)
+    rd.consumer_plan(3).unlink()  # ... or lost it
+    c2 = ConsumerGroup(rd)
+    c2.resume(checkpoint)
+    got = uids(c2.read(c2.plan(2, 4, timeout_s=1))) + uids(c2.read(c2.plan(3, 4, timeout_s=1)))
+    assert got == [f"g{k}/{i}" for k in (1, 2) for i in range(4)]
+    assert read_json(rd.consumer_plan(2))["position_before"]["writers"] == checkpoint["writers"]
 
 
 def test_bad_positions_and_run_dirs(rd: RunDir, tmp_path: Path) -> None:
@@ -248,3 +312,41 @@ def test_bad_positions_and_run_dirs(rd: RunDir, tmp_path: Path) -> None:
             ConsumerGroup(bad)
         with pytest.raises(RunDirError):
             backlog(bad)
+
+
+def test_planned_position_for_backlog(rd: RunDir) -> None:
+    w = ShardWriter(rd, "w.0")
+    for k in range(3):
+        w.write([group(f"g{k}")])
+    c = ConsumerGroup(rd)
+    planned = rd.consumer_planned()
+    c.plan(1, 4, timeout_s=1)
+    assert planned.is_symlink() and planned.resolve() == rd.consumer_plan(1).resolve()  # no data to replace
+    assert backlog(rd).samples == 8 and backlog(rd).position_step == 1
+    checkpoint = c.position_after(1)
+    c.plan(2, 4, timeout_s=1)
+    assert backlog(rd).samples == 4 and planned.resolve() == rd.consumer_plan(2).resolve()
+    c2 = ConsumerGroup(rd)
+    c2.resume(checkpoint)  # the planned position moves back with the chain
+    assert not planned.is_symlink() and backlog(rd).samples == 8
+    assert c2.plan(2, 4, timeout_s=1).num_samples == 4 and backlog(rd).samples == 4  # replayed
+    planned.unlink()
+    planned.write_text('{"format": 1, "cons')  # a crash of the machine tore it: only the figure is affected
+    assert backlog(rd).samples == 12 and backlog(rd).position_step is None
+
+
+def test_samples_to_items(rd: RunDir) -> None:
+    from relax_hpc.rollout.groups import samples_to_items
+
+    ShardWriter(rd, "w.0").write([group("a", n=2, version=3)])
+    c = ConsumerGroup(rd)
+    read = c.read(c.plan(1, 2, timeout_s=1))
+    loose = Sample(prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.5], reward=1, version=2, group_id="b")
+    items = samples_to_items([*read, loose])
+    for s, item in zip(read, items, strict=False):
+        assert item.prompt_ids is s.prompt_ids and item.response_ids is s.response_ids  # no copies
+        assert item.rollout_logprobs is s.logprobs and item.loss_mask is s.loss_mask
+        assert (item.reward, item.version, item.group_id, item.multimodal) == (s.reward, 3, "a", {})
+    last = items[-1]
+    assert last.prompt_ids.tolist() == [1, 2] and last.loss_mask.tolist() == [1] and last.loss_mask.dtype == np.uint8
+    assert (last.reward, last.version, last.group_id) == (1.0, 2, "b") and isinstance(last.reward, float)

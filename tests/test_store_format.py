@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -13,8 +14,10 @@ import pytest
 
 from relax_hpc.errors import CorruptShardError, SampleValidationError
 from relax_hpc.rundir import RunDir
-from relax_hpc.store import Sample, SampleGroup, ShardWriter, read_shard, to_torch
+from relax_hpc.store import Sample, SampleGroup, ShardWriter, h5raw, read_shard, to_torch
+from relax_hpc.store import shard as shard_mod
 from relax_hpc.store.shard import blocksum, encode_shard
+from relax_hpc.store.shard_reader import load_small, read_groups
 
 
 def text_sample(rng: np.random.Generator, uid: str, version: int = 0, **extra) -> Sample:
@@ -258,3 +261,157 @@ def test_encode_is_columnar() -> None:
     enc = encode_shard(groups, writer_id="w", seq=0)
     assert set(enc.columns) == {"prompt_ids", "response_ids", "loss_mask", "logprobs", "reward", "sample_json"}
     assert enc.columns["response_ids"].shape == (sum(len(s.response_ids) for g in groups for s in g.samples),)
+
+
+def _same_samples(a: list[Sample], b: list[Sample]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for name in ("prompt_ids", "response_ids", "logprobs", "loss_mask"):
+            u, v = getattr(x, name), getattr(y, name)
+            assert u.dtype == v.dtype and np.array_equal(u, v), name
+        for name in ("reward", "version", "version_first", "version_last", "rewards", "timings", "metadata"):
+            assert getattr(x, name) == getattr(y, name), name
+        assert (x.group_id, x.tensors, x.tensor_dtypes, x.stale) == (y.group_id, y.tensors, y.tensor_dtypes, y.stale)
+
+
+def _read_in_memory(path: Path) -> list[Sample]:
+    loaded = load_small(path, 1 << 30)
+    assert loaded is not None
+    res = read_groups(None, loaded.header, path, 0, loaded.header.num_groups, columns=loaded.columns)
+    assert not res.bad_groups
+    return res.samples
+
+
+def test_text_shards_are_plain_hdf5_read_with_or_without_the_library(rd: RunDir) -> None:
+    rng = np.random.default_rng(7)
+    writer = ShardWriter(rd)
+    for trial in range(6):
+        groups = []
+        for g in range(int(rng.integers(1, 5))):
+            samples = [text_sample(rng, f"{trial}-{g}-{i}", version=g) for i in range(int(rng.integers(1, 4)))]
+            for s in samples:
+                if trial == 0:  # every response empty: empty datasets
+                    s.response_ids, s.logprobs = np.zeros(0, np.int32), np.zeros(0, np.float32)
+                s.rewards = {"format": 0.5} if trial % 2 else {}
+                s.loss_mask = (rng.random(len(s.response_ids)) > 0.5) if trial % 3 == 1 else None
+            groups.append(SampleGroup(f"g{g}", samples))
+        path = writer.write(groups).path
+        with h5py.File(path, "r") as f:  # the HDF5 library reads what h5raw laid out
+            assert f.attrs["format"] == b"relax-hpc-shard/1"
+            assert set(f) == {"header", "index", "prompt_ids", "response_ids", "loss_mask", "logprobs", "reward",
+                              "sample_json"}
+            assert f["response_ids"].shape == (sum(len(s.response_ids) for g in groups for s in g.samples),)
+        _same_samples(read_shard(path), _read_in_memory(path))
+        assert [s.metadata["uid"] for s in read_shard(path)] == [s.metadata["uid"] for g in groups for s in g.samples]
+
+
+def test_in_memory_read_leaves_other_files_to_the_library(rd: RunDir) -> None:
+    rng = np.random.default_rng(8)
+    multimodal = text_sample(rng, "mm", tensors={"pv": np.ones((2, 3), np.float32)})
+    path = ShardWriter(rd).write(SampleGroup("g", [multimodal])).path  # written by the HDF5 library
+    assert load_small(path, 1 << 30) is None and len(read_shard(path)) == 1
+    text = ShardWriter(rd).write(SampleGroup("g", [text_sample(rng, "t")])).path
+    assert load_small(text, 100) is None  # bigger than asked for
+    data = text.read_bytes()
+    text.write_bytes(data[:-1])  # truncated
+    assert load_small(text, 1 << 30) is None
+    with pytest.raises(CorruptShardError):
+        read_shard(text)
+
+
+def test_random_damage_never_returns_wrong_data_in_memory(rd: RunDir) -> None:
+    rng = np.random.default_rng(9)
+    groups = [SampleGroup(f"g{g}", [text_sample(rng, f"{g}-{i}") for i in range(2)]) for g in range(3)]
+    clean = ShardWriter(rd).write(groups).path
+    data = clean.read_bytes()
+    expected = read_shard(clean)
+    found = 0
+    for trial in range(200):
+        damaged = bytearray(data)
+        damaged[int(rng.integers(0, len(data)))] ^= 1 << int(rng.integers(0, 8))
+        path = clean.with_name(f"m{trial}.h5")
+        path.write_bytes(bytes(damaged))
+        loaded = load_small(path, 1 << 30)
+        if loaded is None:  # left to the library
+            found += 1
+            continue
+        res = read_groups(None, loaded.header, path, 0, loaded.header.num_groups, columns=loaded.columns)
+        found += bool(res.bad_groups)
+        good = [s for s in expected if s.group_id not in {f"g{g}" for g in res.bad_groups}]
+        _same_samples(good, res.samples)  # undetected flips hit unused bytes
+    assert found > 0
+
+
+def test_shard_at_a_time_validation_agrees_with_sample_by_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The validation of a whole shard at once takes the common case only; everything else is checked sample by
+    sample. Both give the same shard, or the same error."""
+    rng = np.random.default_rng(10)
+    changes: list[tuple[str, Callable[[Sample], object]]] = [
+        ("prompt_ids", lambda s: np.array([1.0, 2.0])),
+        ("prompt_ids", lambda s: [1, 2]),
+        ("prompt_ids", lambda s: np.array([2**40])),
+        ("response_ids", lambda s: np.zeros((1, 1), np.int32)),
+        ("logprobs", lambda s: np.zeros(99, np.float32)),
+        ("logprobs", lambda s: None),
+        ("logprobs", lambda s: list(s.logprobs)),
+        ("loss_mask", lambda s: np.ones(99, np.uint8)),
+        ("loss_mask", lambda s: np.full(len(s.response_ids), 2, np.uint8)),
+        ("loss_mask", lambda s: np.ones(len(s.response_ids), bool)),
+        ("reward", lambda s: 3),
+        ("reward", lambda s: np.float32(1.5)),
+        ("reward", lambda s: True),
+        ("version", lambda s: np.int64(2)),
+        ("version", lambda s: -1),
+        ("version_first", lambda s: 99),
+        ("version_last", lambda s: 0),
+        ("timings", lambda s: {"t": 1}),
+        ("timings", lambda s: {"t": "x"}),
+        ("rewards", lambda s: {1: 1.0}),
+        ("metadata", lambda s: [1]),
+        ("metadata", lambda s: {"x": object()}),
+        ("tensors", lambda s: {"pv": np.zeros(2)}),
+    ]
+
+    def outcome() -> str:
+        try:
+            enc = encode_shard(groups, writer_id="w", seq=0)
+        except SampleValidationError as exc:
+            return f"error: {exc}"
+        enc.header.pop("created")
+        cols = {k: (str(v.dtype), v.tobytes()) for k, v in enc.columns.items()}  # type: ignore[union-attr]
+        return repr((enc.header, enc.index.tobytes(), cols))
+
+    for _ in range(60):
+        groups = [SampleGroup(f"g{g}", [text_sample(rng, f"{g}-{i}") for i in range(3)]) for g in range(3)]
+        for _ in range(int(rng.integers(0, 3))):
+            name, change = changes[int(rng.integers(0, len(changes)))]
+            sample = groups[int(rng.integers(0, 3))].samples[int(rng.integers(0, 3))]
+            setattr(sample, name, change(sample))
+        together = outcome()
+        with monkeypatch.context() as m:
+            m.setattr(shard_mod, "check_columns", lambda samples: None)
+            assert outcome() == together
+
+
+def test_h5raw_images_open_in_the_hdf5_library(tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    dtypes = ["<i1", "<i2", "<i4", "<i8", "<u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8"]
+    sizes = [0, *rng.integers(1, 20, 7)]  # an empty dataset too
+    datasets = {f"d{k}": (rng.standard_normal(n) * 100).astype(dt) for k, (dt, n) in enumerate(zip(dtypes, sizes))}
+    image = h5raw.build_image(datasets, {"format": b"x-1", "n": -(2**40)})
+    path = tmp_path / "a.h5"
+    path.write_bytes(image)
+    with h5py.File(path, "r") as f:
+        assert dict(f.attrs) == {"format": b"x-1", "n": -(2**40)}
+        for name, arr in datasets.items():
+            assert f[name].dtype == arr.dtype and np.array_equal(f[name][()], arr)
+    found, attrs = h5raw.locate(image)  # type: ignore[misc]
+    assert attrs == {"n": -(2**40)}
+    for name, (at, length, dtype) in found.items():
+        got = np.frombuffer(image, dtype, length, at) if length else np.empty(0, dtype)
+        assert dtype == datasets[name].dtype and np.array_equal(got, datasets[name])
+    floats = {dt: np.linspace(-2, 2, 5).astype(dt) for dt in dtypes[8:]}
+    path.write_bytes(h5raw.build_image({"f2": floats["<f2"], "f4": floats["<f4"], "f8": floats["<f8"]}, {}))
+    with h5py.File(path, "r") as f:
+        assert all(np.array_equal(f[k][()], floats[f"<{k}"]) for k in ("f2", "f4", "f8"))
+    assert h5raw.locate(path.read_bytes()) is not None and h5raw.locate(b"\x89HDF\r\n\x1a\n" + bytes(200)) is None

@@ -56,11 +56,16 @@ def samples_to_items(samples: list[Any]) -> list[Any]:
     from relax_hpc.store.sample import to_torch
     from relax_hpc.trainer.batch import TrainItem
 
-    items = []
-    for s in samples:
-        mm = {k: to_torch(v, s.tensor_dtypes.get(k)) for k, v in s.tensors.items()}
-        mask = s.loss_mask if s.loss_mask is not None else np.ones(len(s.response_ids), dtype=np.uint8)
-        items.append(TrainItem(prompt_ids=np.asarray(s.prompt_ids), response_ids=np.asarray(s.response_ids),
-                               rollout_logprobs=np.asarray(s.logprobs), loss_mask=np.asarray(mask),
-                               reward=float(s.reward), version=int(s.version), group_id=s.group_id, multimodal=mm))
+    nd = np.ndarray
+    items: list[Any] = [None] * len(samples)
+    for i, s in enumerate(samples):
+        p, r, lp, m = s.prompt_ids, s.response_ids, s.logprobs, s.loss_mask
+        if m is None:
+            m = np.ones(len(r), dtype=np.uint8)
+        mm = {k: to_torch(v, s.tensor_dtypes.get(k)) for k, v in s.tensors.items()} if s.tensors else {}
+        items[i] = TrainItem(prompt_ids=p if type(p) is nd else np.asarray(p),
+                             response_ids=r if type(r) is nd else np.asarray(r),
+                             rollout_logprobs=lp if type(lp) is nd else np.asarray(lp),
+                             loss_mask=m if type(m) is nd else np.asarray(m),
+                             reward=float(s.reward), version=int(s.version), group_id=s.group_id, multimodal=mm)
     return items

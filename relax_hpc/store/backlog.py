@@ -7,8 +7,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax_hpc.rundir import RunDir
-from relax_hpc.store.layout import check_consumer, empty_position, list_shards, list_writers, read_position
+from relax_hpc.store.layout import (
+    check_consumer,
+    empty_position,
+    list_writers,
+    read_planned,
+    read_position,
+    scan_shards,
+)
 from relax_hpc.store.writer import open_run_dir
+
+_NOTHING = (0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,7 @@ def backlog(run_dir: RunDir | Path | str, consumer: str = "trainer") -> BacklogI
     rd = open_run_dir(run_dir)
     check_consumer(consumer)
     position = (
-        read_position(rd.consumer_planned(consumer), consumer)
+        read_planned(rd.consumer_planned(consumer), consumer)
         or read_position(rd.consumer_position(consumer), consumer)
         or empty_position(consumer)
     )
@@ -49,21 +58,24 @@ def backlog(run_dir: RunDir | Path | str, consumer: str = "trainer") -> BacklogI
     vmin: int | None = None
     vmax: int | None = None
     by_version: dict[int, int] = {}
+    done = position["writers"]
     for w in list_writers(rd):
-        seq, g_done, s_done = position["writers"].get(w, [0, 0, 0])
-        refs = list_shards(rd, w, seq)
-        if refs:
-            writers_with_data += 1
-        for ref in refs:
-            g_left, s_left = ref.num_groups, ref.num_samples
-            if ref.seq == seq:
-                g_left, s_left = g_left - g_done, s_left - s_done
-            samples += s_left
-            groups += g_left
-            shards += 1
-            by_version[ref.min_version] = by_version.get(ref.min_version, 0) + s_left
-            vmin = ref.min_version if vmin is None else min(vmin, ref.min_version)
-            vmax = ref.max_version if vmax is None else max(vmax, ref.max_version)
+        seq, g_done, s_done = done.get(w, _NOTHING)
+        found = scan_shards(rd, w, seq)
+        if not found:
+            continue
+        writers_with_data += 1
+        shards += len(found)
+        for q, n, g, lo, hi in found:
+            if q == seq:
+                g, n = g - g_done, n - s_done
+            samples += n
+            groups += g
+            by_version[lo] = by_version[lo] + n if lo in by_version else n
+            if vmin is None or lo < vmin:
+                vmin = lo
+            if vmax is None or hi > vmax:
+                vmax = hi
     return BacklogInfo(
         samples,
         groups,

@@ -11,21 +11,26 @@ Protocol (``docs/protocol-samples.md``):
   :meth:`ConsumerGroup.commit`, which writes ``consumers/<name>/position.json`` and only then applies retention to
   shards below it. A trainer resumed from checkpoint ``k`` calls :meth:`ConsumerGroup.resume` with the position
   stored there: nothing is skipped or read twice.
-* ``consumers/<name>/planned.json`` holds the latest planned position, for writers' backlog figures.
+* ``consumers/<name>/planned.json`` gives the latest planned position, for writers' backlog figures: a symbolic link
+  to the latest plan file (its ``position_after``), or a position file after :meth:`ConsumerGroup.resume`.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import dataclasses
 import itertools
 import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from relax_hpc.errors import CorruptShardError, RunDirError, StoreError, UserError, WaitTimeout
-from relax_hpc.fsio import atomic_write_json, read_json, refresh_nfs_cache, remove_debris, wait_for
+from relax_hpc.fsio import atomic_write_json, read_json, refresh_nfs_cache, remove_debris, tmp_name, wait_for
 from relax_hpc.rundir import RunDir
 from relax_hpc.store.layout import (
     ShardRef,
@@ -39,11 +44,20 @@ from relax_hpc.store.layout import (
 from relax_hpc.store.plan import GroupInfo, Plan, StalePolicy, select, split_ranks
 from relax_hpc.store.retention import delete_consumed, prune_plans
 from relax_hpc.store.sample import Sample
-from relax_hpc.store.shard_reader import ShardHeader, open_shard, read_groups, read_header
+from relax_hpc.store.shard_reader import (
+    ShardHeader,
+    load_small,
+    open_shard,
+    read_columns,
+    read_groups,
+    read_header,
+)
 from relax_hpc.store.writer import describe_oserror, open_run_dir
 
 log = logging.getLogger("relax_hpc.store")
 Retention = Literal["delete", "keep"]
+#: Shards with at most this many data bytes are read whole when the leader plans them (one open for plan and read).
+SMALL_SHARD_BYTES = 4 << 20
 
 
 class ConsumerGroup:
@@ -52,6 +66,10 @@ class ConsumerGroup:
     Rank 0 plans (:meth:`plan`), commits (:meth:`commit`) and applies retention; other ranks wait for plans
     (:meth:`wait_plan`). Every rank reads its part with :meth:`read`. The initial position is the committed one;
     a trainer restored from a checkpoint calls :meth:`resume` on every rank before the first plan.
+
+    The leader reads the data of a shard it plans together with its header when the shard holds at most
+    ``SMALL_SHARD_BYTES`` (no big tensors), and keeps it (at most ``data_cache_bytes`` in all; 0: never) until its
+    groups are read: :meth:`read` then verifies the checksums of those groups without opening the file again.
     """
 
     def __init__(
@@ -65,6 +83,7 @@ class ConsumerGroup:
         keep_plans: int = 16,
         debris_age_s: float = 3600.0,
         header_cache: int = 1024,
+        data_cache_bytes: int = 64 << 20,
     ):
         if not 0 <= rank < world_size:
             raise UserError(f"rank must be in [0, {world_size}), got {rank}")
@@ -78,7 +97,13 @@ class ConsumerGroup:
         self.debris_age_s = debris_age_s
         self._cache: collections.OrderedDict[tuple[str, int], tuple[ShardHeader, GroupInfo]] = collections.OrderedDict()
         self._cache_size = header_cache
+        self._data: collections.OrderedDict[tuple[str, int], dict[str, np.ndarray]] = collections.OrderedDict()
+        self._data_size: dict[tuple[str, int], int] = {}
+        self._data_bytes = 0
+        self.data_cache_bytes = data_cache_bytes
         self._plans: dict[int, Plan] = {}
+        self._planned = self.run_dir.consumer_planned(self.name)
+        self._plans_rel = os.path.relpath(self.run_dir.consumer_plans(self.name), self._planned.parent)
         #: Counters over this object's life: quarantined_shards/_samples, stale_dropped_samples, samples_read ...
         self.counters: collections.Counter[str] = collections.Counter()
         self._bad: set[tuple[str, int]] = set()
@@ -139,7 +164,7 @@ class ConsumerGroup:
         existing = self._load_plan(path)
         if existing is not None:
             log.info("replaying plan %s written before a restart (%d samples)", path, existing.num_samples)
-            atomic_write_json(self.run_dir.consumer_planned(self.name), existing.position_after, fsync=False)
+            self._publish_planned(path, existing.position_after)
             return self._accept(existing)
         found: list[Any] = []
 
@@ -188,12 +213,27 @@ class ConsumerGroup:
             stale_policy=stale_policy,
             stats={"samples": sel.samples, "groups": len(sel.groups), **sel.stats},
         )
-        atomic_write_json(path, plan.to_json(), indent=None)
-        atomic_write_json(self.run_dir.consumer_planned(self.name), after, fsync=False)
+        atomic_write_json(path, plan.to_json(), fsync=False, indent=None)  # not durable: see _load_plan
+        self._publish_planned(path, after)
         for key in ("stale_dropped_samples", "stale_flagged_samples", "quarantined_samples"):
             self.counters[key] += int(sel.stats.get(key, 0))
         self.counters["quarantined_shards"] += len(sel.stats["quarantined_shards"])
         return self._accept(plan)
+
+    def _publish_planned(self, plan_path: Path | None, position: dict[str, Any]) -> None:
+        """Make ``planned.json`` give ``position``: a symbolic link to the plan file that ends with it (replacing a
+        link renames no data: ~10x cheaper than replacing a small file on some filesystems), else a file."""
+        final = self._planned
+        if plan_path is not None:
+            tmp = tmp_name(final)
+            try:
+                os.symlink(os.path.join(self._plans_rel, plan_path.name), tmp)
+                os.replace(tmp, final)
+                return
+            except OSError:  # a filesystem without symbolic links
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        atomic_write_json(final, position, fsync=False, indent=None)
 
     def plan_available(self, step: int, num_samples: int | None = None, **kwargs: Any) -> Plan:
         """(Leader) :meth:`plan` without waiting: up to ``num_samples`` of what is published now (maybe none)."""
@@ -212,6 +252,9 @@ class ConsumerGroup:
         return self._accept(wait_for(ready, what=f"plan {path}", timeout_s=timeout_s, logger=log))
 
     def _load_plan(self, path: Path) -> Plan | None:
+        """The plan at ``path`` if it continues this rank's position. Plan files are written without fsync: after a
+        crash of the machine one may be missing or torn (unreadable), and is then planned again; only the position
+        in a checkpoint and the committed position are durable."""
         try:
             data = read_json(path, default=None)
         except (OSError, ValueError):
@@ -227,7 +270,26 @@ class ConsumerGroup:
         while len(self._plans) > 64:
             self._plans.pop(min(self._plans))
         self._set_base(check_position(plan.position_after, self.name))
+        if self._data:
+            self._drop_data(plan.position_before["writers"])
         return plan
+
+    def _drop_data(self, writers: dict[str, list[int]]) -> None:
+        """Forget the data of shards below the position ``writers`` (consumed)."""
+        for key in [k for k in self._data if k[1] < writers.get(k[0], (0,))[0]]:
+            self._forget_data(key)
+
+    def _forget_data(self, key: tuple[str, int]) -> None:
+        if self._data.pop(key, None) is not None:
+            self._data_bytes -= self._data_size.pop(key)
+
+    def _keep_data(self, key: tuple[str, int], columns: dict[str, np.ndarray], nbytes: int) -> None:
+        self._forget_data(key)
+        self._data[key] = columns
+        self._data_size[key] = nbytes
+        self._data_bytes += nbytes
+        while self._data_bytes > self.data_cache_bytes and self._data:
+            self._forget_data(next(iter(self._data)))
 
     def position_after(self, step: int) -> dict[str, Any]:
         """The position after ``step``'s plan, to store in the trainer's checkpoint (JSON-able)."""
@@ -254,25 +316,43 @@ class ConsumerGroup:
         if path is None:
             return None
         try:
-            with open_shard(path) as f:
-                header = read_header(f, path)
+            header = self._plan_header(path, key)
             if (header.num_samples, header.num_groups) != (ref.num_samples, ref.num_groups):
                 raise CorruptShardError(
                     f"{path}: header says {header.num_samples} samples in {header.num_groups} "
                     f"groups, the file name {ref.num_samples} in {ref.num_groups}"
                 )
         except (CorruptShardError, FileNotFoundError) as exc:
+            self._forget_data(key)
             self._bad.add(key)
             quarantine(self.run_dir, ref, str(exc), detected_by=f"{self.name}-{self.rank} (plan)")
             return None
-        goff = header.group_offsets.tolist()
+        goff = header.sample_lists[0]
         versions = header.versions.tolist()
         per_group = [versions[a:b] for a, b in itertools.pairwise(goff)]
-        info = GroupInfo([b - a for a, b in itertools.pairwise(goff)], [min(v) for v in per_group], per_group)
+        mins = np.minimum.reduceat(header.versions, goff[:-1]).tolist()  # groups are never empty
+        info = GroupInfo(np.diff(header.group_offsets).tolist(), mins, per_group)
         self._cache[key] = (header, info)
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return info
+
+    def _plan_header(self, path: Path, key: tuple[str, int]) -> ShardHeader:
+        """The verified header of a shard being planned. The data of a small shard is read in the same go and kept
+        for :meth:`read` (a problem with it is left to :meth:`read`, which reads the file again and names it)."""
+        budget = min(SMALL_SHARD_BYTES, self.data_cache_bytes)
+        loaded = load_small(path, SMALL_SHARD_BYTES)
+        if loaded is not None:
+            if loaded.nbytes <= budget:
+                self._keep_data(key, loaded.columns, loaded.nbytes)
+            return loaded.header
+        with open_shard(path) as f:
+            header = read_header(f, path)
+            nbytes = header.data_bytes()
+            if nbytes is not None and nbytes <= budget:
+                with contextlib.suppress(CorruptShardError):
+                    self._keep_data(key, read_columns(f, header, path), nbytes)
+        return header
 
     def _quarantined_ref(self, writer_id: str, seq: int) -> ShardRef | None:
         prefix = f"{writer_id}.{seq:012d}."
@@ -294,9 +374,12 @@ class ConsumerGroup:
         by_shard: dict[int, list[tuple[int, int]]] = {}
         for shard_idx, g0, g1 in runs:
             by_shard.setdefault(shard_idx, []).append((g0, g1))
+        after = plan.position_after["writers"]
         for shard_idx, group_runs in by_shard.items():
             ref = ShardRef.from_rel(plan.shards[shard_idx])
             out.extend(self._read_shard_runs(ref, group_runs))
+            if ref.seq < after.get(ref.writer_id, (0,))[0]:
+                self._forget_data((ref.writer_id, ref.seq))
         if plan.min_version is not None and plan.stale_policy == "flag":
             for s in out:
                 s.stale = s.version < plan.min_version
@@ -304,7 +387,6 @@ class ConsumerGroup:
         return out
 
     def _read_shard_runs(self, ref: ShardRef, group_runs: list[tuple[int, int]]) -> list[Sample]:
-        who = f"{self.name}-{self.rank}"
         path = resolve(self.run_dir, ref)
         if path is None:
             lost = sum(g1 - g0 for g0, g1 in group_runs)
@@ -315,8 +397,30 @@ class ConsumerGroup:
             )
             self.counters["missing_groups"] += lost
             return []
-        samples: list[Sample] = []
-        problem = ""
+        key = (ref.writer_id, ref.seq)
+        cached = self._cache.get(key)  # verified when this process planned it
+        header = cached[0] if cached is not None else None
+        columns = self._data.get(key) if cached is not None else None
+        if columns is None and (loaded := load_small(path, SMALL_SHARD_BYTES)) is not None:
+            header, columns = loaded.header, loaded.columns
+        if columns is not None and header is not None:  # the shard is in memory: no second open, no HDF5 library
+            got = _read_runs(None, header, path, group_runs, columns)
+            if not got.problem:
+                return got.samples
+        got = self._read_file(path, ref, header, group_runs)  # the library also names (or clears) any problem
+        if got.lost_groups:
+            self._count_lost(ref, got.lost_groups)
+        if got.bad_groups:
+            self.counters["quarantined_groups"] += got.bad_groups
+            self.counters["quarantined_samples"] += got.bad_samples
+        if got.problem:
+            self.counters["quarantined_shards"] += 1
+            quarantine(self.run_dir, ref, got.problem, detected_by=f"{self.name}-{self.rank}")
+        return got.samples
+
+    def _read_file(
+        self, path: Path, ref: ShardRef, header: ShardHeader | None, group_runs: list[tuple[int, int]]
+    ) -> _RunsRead:
         try:
             try:
                 f = open_shard(path)
@@ -324,27 +428,9 @@ class ConsumerGroup:
                 path = resolve(self.run_dir, ref) or path
                 f = open_shard(path)
             with f:
-                cached = self._cache.get((ref.writer_id, ref.seq))  # verified when this process planned it
-                header = cached[0] if cached is not None else read_header(f, path)
-                for i, (g0, g1) in enumerate(group_runs):
-                    try:
-                        res = read_groups(f, header, path, g0, g1)
-                    except CorruptShardError as exc:  # data unreadable: every group of the remaining runs is lost
-                        problem = str(exc)
-                        self._count_lost(ref, sum(b - a for a, b in group_runs[i:]))
-                        break
-                    samples.extend(res.samples)
-                    if res.bad_groups:
-                        problem = f"{path}: checksum mismatch in group(s) {res.bad_groups}"
-                        self.counters["quarantined_groups"] += len(res.bad_groups)
-                        self.counters["quarantined_samples"] += res.bad_samples
+                return _read_runs(f, header if header is not None else read_header(f, path), path, group_runs, None)
         except (CorruptShardError, FileNotFoundError) as exc:  # does not open, or its header is damaged
-            problem = str(exc)
-            self._count_lost(ref, sum(g1 - g0 for g0, g1 in group_runs))
-        if problem:
-            self.counters["quarantined_shards"] += 1
-            quarantine(self.run_dir, ref, problem, detected_by=who)
-        return samples
+            return _RunsRead(problem=str(exc), lost_groups=sum(g1 - g0 for g0, g1 in group_runs))
 
     def _count_lost(self, ref: ShardRef, groups: int) -> None:
         """Count groups lost to a damaged shard (samples estimated from the name when the header is unreadable)."""
@@ -374,6 +460,41 @@ class ConsumerGroup:
         if position is None:
             position = read_position(self.run_dir.consumer_position(self.name), self.name)
         self._plans.clear()
+        for key in list(self._data):
+            self._forget_data(key)
         self._set_base(check_position(position, self.name) if position else empty_position(self.name))
         if self.is_leader:
-            atomic_write_json(self.run_dir.consumer_planned(self.name), self._base, fsync=False)
+            self._publish_planned(None, self._base)
+
+
+@dataclasses.dataclass
+class _RunsRead:
+    """What reading some runs of groups of one shard gave."""
+
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    problem: str = ""
+    lost_groups: int = 0
+    """Groups not read because the data was unreadable."""
+    bad_groups: int = 0
+    bad_samples: int = 0
+
+
+def _read_runs(
+    f: Any, header: ShardHeader, path: Path, group_runs: list[tuple[int, int]], columns: dict[str, np.ndarray] | None
+) -> _RunsRead:
+    """The verified samples of ``group_runs`` of an open shard ``f`` (or of its ``columns``)."""
+    out = _RunsRead()
+    bad: list[int] = []
+    for i, (g0, g1) in enumerate(group_runs):
+        try:
+            res = read_groups(f, header, path, g0, g1, columns=columns)
+        except CorruptShardError as exc:  # data unreadable: every group of the remaining runs is lost
+            out.problem, out.lost_groups = str(exc), sum(b - a for a, b in group_runs[i:])
+            break
+        out.samples.extend(res.samples)
+        bad += res.bad_groups
+        out.bad_samples += res.bad_samples
+    if bad:
+        out.bad_groups = len(bad)
+        out.problem = out.problem or f"{path}: checksum mismatch in group(s) {bad}"
+    return out

@@ -16,13 +16,41 @@ import numpy as np
 os.environ.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")  # for HDF5 builds without H5Pset_file_locking
 
 
-def _fapl() -> Any:
-    from h5py import h5p
+#: Property lists and type ids made once per process (each costs HDF5 calls per use otherwise).
+_CACHE: dict[str, Any] = {}
+_TYPES: dict[np.dtype, Any] = {}
 
-    fapl = h5p.create(h5p.FILE_ACCESS)
-    with contextlib.suppress(AttributeError, RuntimeError):  # old HDF5: the environment variable above does it
-        fapl.set_file_locking(False, True)
+
+def _fapl() -> Any:
+    fapl = _CACHE.get("fapl")
+    if fapl is None:
+        from h5py import h5p
+
+        fapl = h5p.create(h5p.FILE_ACCESS)
+        with contextlib.suppress(AttributeError, RuntimeError):  # old HDF5: the environment variable above does it
+            fapl.set_file_locking(False, True)
+        _CACHE["fapl"] = fapl
     return fapl
+
+
+def _lcpl() -> Any:
+    lcpl = _CACHE.get("lcpl")
+    if lcpl is None:
+        from h5py import h5p
+
+        lcpl = h5p.create(h5p.LINK_CREATE)
+        lcpl.set_create_intermediate_group(True)
+        _CACHE["lcpl"] = lcpl
+    return lcpl
+
+
+def _type_id(dtype: np.dtype) -> Any:
+    tid = _TYPES.get(dtype)
+    if tid is None:
+        from h5py import h5t
+
+        tid = _TYPES[dtype] = h5t.py_create(dtype)
+    return tid
 
 
 def create_file(path: Path) -> Any:
@@ -61,11 +89,10 @@ def abandon(fid: Any) -> None:
 
 def create_dataset(fid: Any, name: str, dtype: np.dtype, length: int) -> Any:
     """A contiguous 1-D dataset (``a/b`` creates group ``a``)."""
-    from h5py import h5d, h5p, h5s, h5t
+    from h5py import h5d, h5s
 
-    lcpl = h5p.create(h5p.LINK_CREATE)
-    lcpl.set_create_intermediate_group(True)
-    return h5d.create(fid, name.encode(), h5t.py_create(np.dtype(dtype)), h5s.create_simple((length,)), lcpl=lcpl)
+    lcpl = _lcpl() if "/" in name else None
+    return h5d.create(fid, name.encode(), _type_id(np.dtype(dtype)), h5s.create_simple((length,)), lcpl=lcpl)
 
 
 def write_slice(ds: Any, lo: int, data: np.ndarray) -> None:
@@ -80,13 +107,33 @@ def write_slice(ds: Any, lo: int, data: np.ndarray) -> None:
 
 def write_dataset(fid: Any, name: str, data: np.ndarray) -> None:
     """Create a dataset holding the contiguous 1-D ``data``."""
-    write_slice(create_dataset(fid, name, data.dtype, data.size), 0, data)
+    ds = create_dataset(fid, name, data.dtype, data.size)
+    if data.size:
+        from h5py import h5s
+
+        ds.write(h5s.ALL, h5s.ALL, data)
 
 
 def open_dataset(fid: Any, name: str) -> Any:
     from h5py import h5d
 
     return h5d.open(fid, name.encode())
+
+
+def open_vector(fid: Any, name: str) -> tuple[Any, tuple[int, ...], np.dtype]:
+    """Open a dataset: (dataset id, shape, dtype)."""
+    from h5py import h5d
+
+    ds = h5d.open(fid, name.encode())
+    return ds, ds.get_space().get_simple_extent_dims(), ds.dtype
+
+
+def read_whole(ds: Any, out: np.ndarray) -> None:
+    """Read a whole dataset into ``out`` of its shape and dtype (one HDF5 call, no dataspace objects)."""
+    if out.size:
+        from h5py import h5s
+
+        ds.read(h5s.ALL, h5s.ALL, out, _type_id(out.dtype))
 
 
 def read_into(ds: Any, lo: int, out: np.ndarray) -> None:
@@ -99,21 +146,13 @@ def read_into(ds: Any, lo: int, out: np.ndarray) -> None:
         ds.read(h5s.create_simple((out.size,)), fspace, out)
 
 
-def read_all(ds: Any) -> np.ndarray:
-    out = np.empty(ds.shape, ds.dtype)
-    if out.size:
-        from h5py import h5s
-
-        ds.read(h5s.ALL, h5s.ALL, out)
-    return out
-
-
 def write_attr(fid: Any, name: str, value: int | str) -> None:
     """A scalar int64 or fixed-length string attribute on the root group."""
     from h5py import h5a, h5s, h5t
 
     data = np.array(value, np.int64) if isinstance(value, int) else np.array(value.encode(), dtype="S")
-    attr = h5a.create(fid, name.encode(), h5t.py_create(data.dtype), h5s.create(h5s.SCALAR))
+    tid = _type_id(data.dtype) if data.dtype == np.int64 else h5t.py_create(data.dtype)
+    attr = h5a.create(fid, name.encode(), tid, h5s.create(h5s.SCALAR))
     attr.write(data)
 
 

@@ -9,14 +9,16 @@ near-equal sample counts (equal when groups have equal sizes and their number di
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from relax_hpc.rundir import RunDir
-from relax_hpc.store.layout import ShardRef, list_shards, list_writers
+from relax_hpc.store.layout import ShardRef, list_writers, scan_shards
 
 StalePolicy = Literal["drop", "flag"]
+_NOTHING = (0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -122,28 +124,29 @@ def select(
     }
     sel.stats = st
 
-    def satisfied() -> bool:
-        if num_groups is not None:
-            return len(sel.groups) >= num_groups
-        return num_samples is not None and sel.samples >= num_samples
-
-    queues: dict[str, list[ShardRef]] = {}
+    max_groups = num_groups if num_groups is not None else math.inf
+    max_samples = num_samples if num_samples is not None and num_groups is None else math.inf
+    queues: dict[str, list[tuple[int, int, int, int, int]]] = {}
     heap: list[tuple[int, int, str]] = []
     for w in sorted(set(list_writers(rd)) | set(base)):
-        seq, g, _ = sel.writers.get(w, [0, 0, 0])
-        refs = list_shards(rd, w, seq)
-        if g > 0 and (not refs or refs[0].seq != seq):
+        seq, g, _ = sel.writers.get(w, _NOTHING)
+        found = scan_shards(rd, w, seq)
+        if g > 0 and (not found or found[0][0] != seq):
             moved = extra_refs(w, seq)
             if moved is not None:
-                refs.insert(0, moved)
-        if refs:
-            queues[w] = refs
-            heapq.heappush(heap, (refs[0].min_version, refs[0].seq, w))
+                found.insert(0, (moved.seq, moved.num_samples, moved.num_groups, moved.min_version, moved.max_version))
+        if found:
+            found.reverse()  # the next shard is the last item
+            queues[w] = found
+            heapq.heappush(heap, (found[-1][3], found[-1][0], w))
     drop = stale_policy == "drop" and min_version is not None
-    while heap and not satisfied():
+    flag = stale_policy == "flag" and min_version is not None
+    chosen = sel.groups
+    count = total = 0
+    while heap and count < max_groups and total < max_samples:
         _, _, w = heapq.heappop(heap)
-        ref = queues[w].pop(0)
-        pos = sel.writers.get(w, [0, 0, 0])
+        ref = ShardRef(w, *queues[w].pop())
+        pos = sel.writers.get(w, _NOTHING)
         g_start, s_start = (pos[1], pos[2]) if pos[0] == ref.seq else (0, 0)
         done = True
         if drop and ref.max_version < min_version:  # the whole rest of the shard is stale: no need to open it
@@ -157,18 +160,20 @@ def select(
             else:
                 idx = -1
                 g, s = g_start, s_start
-                while g < ref.num_groups and not satisfied():
-                    size = info.group_sizes[g]
-                    if drop and info.group_min_version[g] < min_version:
+                sizes, mins = info.group_sizes, info.group_min_version
+                while g < ref.num_groups and count < max_groups and total < max_samples:
+                    size = sizes[g]
+                    if drop and mins[g] < min_version:
                         st["stale_dropped_samples"] += size
                         st["stale_dropped_groups"] += 1
                     else:
                         if idx < 0:
                             sel.shards.append(ref)
                             idx = len(sel.shards) - 1
-                        sel.groups.append((idx, g, size))
-                        sel.samples += size
-                        if min_version is not None:
+                        chosen.append((idx, g, size))
+                        count += 1
+                        total += size
+                        if flag and mins[g] < min_version:
                             st["stale_flagged_samples"] += sum(v < min_version for v in info.sample_versions[g])
                     g += 1
                     s += size
@@ -178,8 +183,9 @@ def select(
         if done:
             sel.writers[w] = [ref.seq + 1, 0, 0]
             if queues[w]:
-                nxt = queues[w][0]
-                heapq.heappush(heap, (nxt.min_version, nxt.seq, w))
+                nxt = queues[w][-1]
+                heapq.heappush(heap, (nxt[3], nxt[0], w))
+    sel.samples = total
     if not drop:
         st.pop("stale_dropped_samples")
         st.pop("stale_dropped_groups")
@@ -192,7 +198,7 @@ def split_ranks(
     groups: list[tuple[int, int, int]], world_size: int
 ) -> tuple[list[list[tuple[int, int, int]]], list[int]]:
     """Split chosen groups into contiguous per-rank runs ``(shard index, g0, g1)`` of near-equal sample counts."""
-    total = sum(size for _, _, size in groups)
+    total = sum([size for _, _, size in groups])
     ranks: list[list[tuple[int, int, int]]] = [[] for _ in range(world_size)]
     counts = [0] * world_size
     cum = 0

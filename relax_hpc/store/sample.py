@@ -11,8 +11,9 @@ or torch tensors (detected by duck typing; torch is never imported to read). Dty
 
 from __future__ import annotations
 
+import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -201,6 +202,105 @@ def tensor_to_numpy(value: Any, declared: str | None, name: str, where: str) -> 
     return (arr if arr.flags.c_contiguous else arr.copy(order="C")), logical
 
 
+_ONES = np.ones(0, np.uint8)
+
+
+def ones_mask(n: int) -> np.ndarray:
+    """A read-only all-ones uint8 mask of length ``n`` (a view of one shared buffer: never write to it)."""
+    global _ONES
+    if n > _ONES.shape[0]:
+        _ONES = np.ones(max(n, 2 * _ONES.shape[0], 4096), np.uint8)
+        _ONES.flags.writeable = False
+    return _ONES[:n]
+
+
+@dataclass(slots=True)
+class CheckedColumns:
+    """The samples of a shard after validation, field by field (what :class:`CheckedSample` holds, as lists)."""
+
+    prompt_ids: list[np.ndarray]
+    response_ids: list[np.ndarray]
+    loss_mask: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    reward: list[float]
+    version: list[int]
+    version_first: list[int]
+    version_last: list[int]
+    doc: list[dict[str, Any]]
+    tensors: list[dict[str, tuple[np.ndarray, str]]]
+
+    @classmethod
+    def of(cls, checked: list[CheckedSample]) -> CheckedColumns:
+        return cls(*([getattr(c, f.name) for c in checked] for f in fields(cls)))
+
+
+def check_columns(samples: list[Any]) -> CheckedColumns | None:
+    """:func:`check_sample` for every sample of a shard at once, field by field, for the common case: numpy token
+    and log-prob arrays, Python numbers, plain dicts of floats, no tensors. None for anything else: then check sample
+    by sample, which accepts the same samples (and more) or names the problem. Never accepts what that rejects."""
+    if {type(s) for s in samples} != {Sample} or [s for s in samples if s.tensors]:
+        return None
+    nd = np.ndarray
+    prompts = [s.prompt_ids for s in samples]
+    responses = [s.response_ids for s in samples]
+    logprobs = [s.logprobs for s in samples]
+    arrays = prompts + responses
+    if {type(a) for a in arrays} | {type(a) for a in logprobs} != {nd} or {a.ndim for a in arrays} != {1}:
+        return None
+    if not {a.dtype.kind for a in arrays} <= {"i", "u"} or {a.dtype.kind for a in logprobs} != {"f"}:
+        return None
+    lengths = [a.shape[0] for a in responses]
+    if [a.shape for a in logprobs] != [(n,) for n in lengths]:
+        return None
+    masks = [s.loss_mask for s in samples]
+    given = [m for m in masks if m is not None]
+    if given and (
+        {type(m) for m in given} != {nd}
+        or not {m.dtype.kind for m in given} <= {"b", "i", "u"}
+        or [m.shape for m in given] != [(n,) for m, n in zip(masks, lengths) if m is not None]
+    ):
+        return None
+    ones = ones_mask(max(lengths))
+    masks = [ones[:n] if m is None else m for m, n in zip(masks, lengths)]
+    rewards = [s.reward for s in samples]
+    versions = [s.version for s in samples]
+    firsts = [v if (f := s.version_first) is None else f for s, v in zip(samples, versions)]
+    lasts = [v if (f := s.version_last) is None else f for s, v in zip(samples, versions)]
+    if {type(r) for r in rewards} != {float} or {type(v) for v in versions + firsts + lasts} != {int}:
+        return None
+    if min(versions + firsts) < 0 or any(map(operator.gt, firsts, lasts)):
+        return None
+    docs = _docs(samples)
+    if docs is None:
+        return None
+    tensors: list[dict[str, tuple[np.ndarray, str]]] = [{} for _ in samples]
+    return CheckedColumns(prompts, responses, masks, logprobs, rewards, versions, firsts, lasts, docs, tensors)
+
+
+def _docs(samples: list[Sample]) -> list[dict[str, Any]] | None:
+    """The JSON part of each sample, if every ``rewards``/``timings`` is a dict of str -> float and every
+    ``metadata`` a dict (None otherwise)."""
+    rewards = [s.rewards for s in samples]
+    timings = [s.timings for s in samples]
+    metadata = [s.metadata for s in samples]
+    numbers = [d for d in rewards + timings if d]
+    if not {type(d) for d in numbers} <= {dict} or not {type(d) for d in metadata if d} <= {dict}:
+        return None
+    if not {type(k) for d in numbers for k in d} <= {str}:
+        return None
+    if not {type(v) for d in numbers for v in d.values()} <= {float}:
+        return None
+    docs: list[dict[str, Any]] = [{} for _ in samples]
+    for doc, r, t, m in zip(docs, rewards, timings, metadata):
+        if r:
+            doc["r"] = r
+        if t:
+            doc["t"] = t
+        if m:
+            doc["m"] = m
+    return docs
+
+
 def check_sample(sample: Sample | dict[str, Any], where: str) -> CheckedSample:
     """Validate one sample (dtypes, shapes, types); raises :class:`SampleValidationError` naming the field.
 
@@ -223,7 +323,7 @@ def check_sample(sample: Sample | dict[str, Any], where: str) -> CheckedSample:
             f"{where}: field 'logprobs' has shape {logprobs.shape}, expected ({n},) (one per response token)"
         )
     if sample.loss_mask is None:
-        mask = np.ones(n, np.uint8)
+        mask = ones_mask(n)
     else:
         mask = sample.loss_mask if isinstance(sample.loss_mask, np.ndarray) else np.asarray(sample.loss_mask)
         if mask.dtype.kind not in "biu":

@@ -23,11 +23,13 @@ everything needed to locate data; a shard whose header fails, or that does not o
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import os
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +37,8 @@ from typing import Any
 import numpy as np
 
 from relax_hpc.errors import SampleValidationError
-from relax_hpc.store import h5io
-from relax_hpc.store.sample import (
-    CheckedSample,
-    SampleGroup,
-    check_sample,
-)
+from relax_hpc.store import h5io, h5raw
+from relax_hpc.store.sample import CheckedColumns, SampleGroup, check_columns, check_sample
 
 FORMAT = "relax-hpc-shard/1"
 OFFSETS_OF = {
@@ -54,11 +52,9 @@ SLICE_WRITE_BYTES = 1 << 20
 DIGEST_BLOCK = 4096
 BLOCKSUM = "blocksum64-4k"
 MAX_HEADER_BYTES = 64 << 20
-
-
-def crc(arr: np.ndarray, value: int = 0) -> int:
-    """crc32 of an array's bytes, chained from ``value``."""
-    return zlib.crc32(arr.data if arr.flags.c_contiguous else np.ascontiguousarray(arr).data, value)
+_JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # a cycle: RecursionError
+#: Shards without tensors and with at most this many data bytes are laid out in memory and written with one system call.
+IMAGE_BYTES = 16 << 20
 
 
 def blocksum(arr: np.ndarray, value: int = 0) -> int:
@@ -88,23 +84,18 @@ class EncodedShard:
     nbytes: int
 
     def write(self, path: Path, *, fsync: bool = True) -> None:
-        """Write the shard to ``path`` (a new file) and fsync it. OSError propagates (the caller names the file)."""
+        """Write the shard to ``path`` (a new file) and fsync it. OSError propagates (the caller names the file).
+
+        A shard without tensors of at most ``IMAGE_BYTES`` is laid out in memory (:mod:`~relax_hpc.store.h5raw`)
+        and written with one system call; any other is written by the HDF5 library, big tensors sample by sample.
+        """
         header_bytes = json.dumps(self.header, separators=(",", ":")).encode()
+        if self.nbytes <= IMAGE_BYTES and not self.header["tensors"]:
+            self._write_image(path, header_bytes, fsync=fsync)
+            return
         fid = h5io.create_file(path)
         try:
-            h5io.write_attr(fid, "format", FORMAT)
-            h5io.write_attr(fid, "header_crc", zlib.crc32(self.index.data, zlib.crc32(header_bytes)))
-            h5io.write_dataset(fid, "header", np.frombuffer(header_bytes, np.uint8))
-            h5io.write_dataset(fid, "index", self.index)
-            for name, col in self.columns.items():
-                if isinstance(col, np.ndarray):
-                    h5io.write_dataset(fid, name, col)
-                    continue
-                ds = h5io.create_dataset(fid, name, col[0].dtype, sum(a.size for a in col))
-                pos = 0
-                for a in col:
-                    h5io.write_slice(ds, pos, a.reshape(-1))
-                    pos += a.size
+            self._fill(fid, header_bytes)
         except BaseException:
             h5io.abandon(fid)
             raise
@@ -120,6 +111,35 @@ class EncodedShard:
             finally:
                 os.close(fd)
 
+    def _write_image(self, path: Path, header_bytes: bytes, *, fsync: bool) -> None:
+        datasets = {"header": np.frombuffer(header_bytes, np.uint8), "index": self.index}
+        datasets.update(self.columns)  # type: ignore[arg-type]  # every column is one array here
+        attrs = {"format": FORMAT.encode(), "header_crc": zlib.crc32(self.index.data, zlib.crc32(header_bytes))}
+        image = memoryview(h5raw.build_image(datasets, attrs))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            while image:
+                image = image[os.write(fd, image) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _fill(self, fid: Any, header_bytes: bytes) -> None:
+        h5io.write_attr(fid, "format", FORMAT)
+        h5io.write_attr(fid, "header_crc", zlib.crc32(self.index.data, zlib.crc32(header_bytes)))
+        h5io.write_dataset(fid, "header", np.frombuffer(header_bytes, np.uint8))
+        h5io.write_dataset(fid, "index", self.index)
+        for name, col in self.columns.items():
+            if isinstance(col, np.ndarray):
+                h5io.write_dataset(fid, name, col)
+                continue
+            ds = h5io.create_dataset(fid, name, col[0].dtype, sum(a.size for a in col))
+            pos = 0
+            for a in col:
+                h5io.write_slice(ds, pos, a.reshape(-1))
+                pos += a.size
+
 
 def _offsets(lengths: list[int]) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, np.int64)
@@ -127,14 +147,32 @@ def _offsets(lengths: list[int]) -> np.ndarray:
     return out
 
 
-def _first_bad(checked: list[CheckedSample], where: list[str], field: str, bad: Any) -> str:
-    for c, w in zip(checked, where, strict=True):
-        if bad(getattr(c, field)):
+class _Where(Sequence[str]):
+    """``group '<id>' sample <i>`` for every sample of a shard, formatted only when an error message needs it."""
+
+    def __init__(self, group_ids: list[str], group_offsets: list[int]):
+        self._ids, self._goff = group_ids, group_offsets
+
+    def __len__(self) -> int:
+        return self._goff[-1]
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        g = bisect.bisect_right(self._goff, i) - 1
+        return f"group {self._ids[g]!r} sample {i - self._goff[g]}"
+
+
+def _first_bad(arrays: list[np.ndarray], where: Sequence[str], bad: Any) -> str:
+    for a, w in zip(arrays, where, strict=True):
+        if bad(a):
             return w
     return "a sample"
 
 
-def _token_column(arrays: list[np.ndarray], name: str, checked: list[CheckedSample], where: list[str]) -> np.ndarray:
+def _token_column(arrays: list[np.ndarray], name: str, where: Sequence[str]) -> np.ndarray:
     """Concatenate token ids as int32; only dtypes wider than int32 pay for a range check."""
     if not arrays:
         return np.zeros(0, np.int32)
@@ -144,45 +182,51 @@ def _token_column(arrays: list[np.ndarray], name: str, checked: list[CheckedSamp
     wide = np.concatenate(arrays)
     lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
     if wide.size and (int(wide.min()) < lo or int(wide.max()) > hi):
-        w = _first_bad(checked, where, name, lambda a: a.size and (a.min() < lo or a.max() > hi))
+        w = _first_bad(arrays, where, lambda a: a.size and (a.min() < lo or a.max() > hi))
         raise SampleValidationError(f"{w}: field '{name}' has token ids outside the int32 range")
     return wide.astype(np.int32)
 
 
-def _mask_column(arrays: list[np.ndarray], checked: list[CheckedSample], where: list[str]) -> np.ndarray:
+def _mask_column(arrays: list[np.ndarray], where: Sequence[str]) -> np.ndarray:
     if not arrays:
         return np.zeros(0, np.uint8)
     mask = np.concatenate(arrays, dtype=np.uint8, casting="unsafe")
-    if any(a.dtype != np.bool_ for a in arrays):
-        exact = mask if all(a.dtype == np.uint8 for a in arrays) else np.concatenate(arrays).astype(np.int64)
+    dtypes = {a.dtype for a in arrays}
+    if dtypes != {np.dtype(np.bool_)}:
+        exact = mask if dtypes == {np.dtype(np.uint8)} else np.concatenate(arrays).astype(np.int64)
         if exact.size and (int(exact.min()) < 0 or int(exact.max()) > 1):
-            w = _first_bad(checked, where, "loss_mask", lambda a: a.size and (a.min() < 0 or a.max() > 1))
+            w = _first_bad(arrays, where, lambda a: a.size and (a.min() < 0 or a.max() > 1))
             raise SampleValidationError(f"{w}: field 'loss_mask' must hold only 0 and 1")
     return mask
 
 
-def _group_json(docs: list[dict[str, Any]], where: list[str]) -> bytes:
+def _group_json(docs: list[dict[str, Any]], where: Sequence[str], first: int) -> bytes:
+    """One group's JSON records (``where[first + k]`` names sample ``k`` of the group in an error)."""
     try:
-        return json.dumps(docs, separators=(",", ":")).encode()
-    except (TypeError, ValueError):
-        for doc, w in zip(docs, where, strict=True):
+        return _JSON.encode(docs).encode()
+    except (TypeError, ValueError, RecursionError):
+        for k, doc in enumerate(docs):
             try:
                 json.dumps(doc)
             except (TypeError, ValueError) as exc:
-                raise SampleValidationError(f"{w}: field 'metadata' is not JSON-serialisable: {exc}") from None
+                raise SampleValidationError(
+                    f"{where[first + k]}: field 'metadata' is not JSON-serialisable: {exc}"
+                ) from None
         raise
 
 
-def _tensor_columns(checked: list[CheckedSample], where: list[str]) -> tuple[dict[str, Any], ...]:
+def _tensor_columns(
+    tensors: list[dict[str, tuple[np.ndarray, str]]], where: Sequence[str]
+) -> tuple[dict[str, Any], ...]:
     """Per tensor name: the column (array, or per-sample arrays for big tensors), element offsets, spec, sections."""
-    n = len(checked)
+    n = len(tensors)
     columns: dict[str, np.ndarray | list[np.ndarray]] = {}
     offsets_of: dict[str, np.ndarray] = {}
     carriers: dict[str, list[int]] = {}  # sample-by-sample columns: indices of the samples that carry the tensor
     specs: dict[str, dict[str, Any]] = {}
     sections: dict[str, np.ndarray] = {}
-    for tname in sorted({t for c in checked for t in c.tensors}):
-        present = [(i, c.tensors[tname]) for i, c in enumerate(checked) if tname in c.tensors]
+    for tname in sorted({t for ts in tensors for t in ts}):
+        present = [(i, ts[tname]) for i, ts in enumerate(tensors) if tname in ts]
         storage, logical = present[0][1][0].dtype, present[0][1][1]
         max_nd = max(arr.ndim for _, (arr, _) in present)
         shape = np.full((n, max_nd + 1), -1, np.int64)
@@ -212,47 +256,75 @@ def _tensor_columns(checked: list[CheckedSample], where: list[str]) -> tuple[dic
     return columns, offsets_of, carriers, specs, sections
 
 
+def _group_digests(
+    col: np.ndarray | list[np.ndarray], bounds: list[int], goff: list[int], carriers: list[int] | None
+) -> list[int]:
+    """The checksum of each group's slice of one data dataset."""
+    if isinstance(col, np.ndarray):
+        data = memoryview(np.ascontiguousarray(col).view(np.uint8))
+        k = col.itemsize
+        return [zlib.crc32(data[a * k : b * k]) for a, b in itertools.pairwise(bounds)]
+    assert carriers is not None  # big tensors kept per sample: the blocksum digest chained over a group's samples
+    by_sample = dict(zip(carriers, col, strict=True))
+    out = []
+    for a, b in itertools.pairwise(goff):
+        value = 0
+        for i in range(a, b):
+            if i in by_sample:
+                value = blocksum(by_sample[i], value)
+        out.append(value)
+    return out
+
+
+def _group_problem(gi: int, group: Any) -> str:
+    if not isinstance(group, SampleGroup):
+        return f"group {gi}: expected a SampleGroup, got {type(group).__name__}"
+    if not isinstance(group.group_id, str) or not group.group_id:
+        return f"group {gi}: group_id must be a non-empty string, got {group.group_id!r}"
+    if not group.samples:
+        return f"group {group.group_id!r}: a group needs at least one sample"
+    return ""
+
+
 def encode_shard(groups: list[SampleGroup], *, writer_id: str, seq: int) -> EncodedShard:
     """Validate ``groups`` and lay them out as a shard. Raises :class:`SampleValidationError` naming the field."""
     if isinstance(groups, SampleGroup):
         groups = [groups]
     if not groups:
         raise SampleValidationError("a shard needs at least one group")
-    checked: list[CheckedSample] = []
-    where: list[str] = []
     group_ids: list[str] = []
     group_sizes: list[int] = []
     for gi, group in enumerate(groups):
-        if not isinstance(group, SampleGroup):
-            raise SampleValidationError(f"group {gi}: expected a SampleGroup, got {type(group).__name__}")
-        if not isinstance(group.group_id, str) or not group.group_id:
-            raise SampleValidationError(f"group {gi}: group_id must be a non-empty string, got {group.group_id!r}")
-        if not group.samples:
-            raise SampleValidationError(f"group {group.group_id!r}: a group needs at least one sample")
+        problem = _group_problem(gi, group)
+        if problem:  # a problem in a sample of an earlier group is reported first
+            before = _Where(group_ids, _offsets(group_sizes).tolist())
+            for i, sample in enumerate(s for earlier in groups[:gi] for s in earlier.samples):
+                check_sample(sample, before[i])
+            raise SampleValidationError(problem)
         group_ids.append(group.group_id)
         group_sizes.append(len(group.samples))
-        for si, sample in enumerate(group.samples):
-            w = f"group {group.group_id!r} sample {si}"
-            checked.append(check_sample(sample, w))
-            where.append(w)
-    n, g = len(checked), len(groups)
     group_off = _offsets(group_sizes)
     goff = group_off.tolist()
-    prompts = [c.prompt_ids for c in checked]
-    responses = [c.response_ids for c in checked]
+    where = _Where(group_ids, goff)
+    samples = [s for group in groups for s in group.samples]
+    checked = check_columns(samples)
+    if checked is None:
+        checked = CheckedColumns.of([check_sample(s, where[i]) for i, s in enumerate(samples)])
+    n, g = len(samples), len(groups)
+    prompts, responses = checked.prompt_ids, checked.response_ids
     columns: dict[str, np.ndarray | list[np.ndarray]] = {
-        "prompt_ids": _token_column(prompts, "prompt_ids", checked, where),
-        "response_ids": _token_column(responses, "response_ids", checked, where),
-        "loss_mask": _mask_column([c.loss_mask for c in checked], checked, where),
-        "logprobs": np.concatenate([c.logprobs for c in checked], dtype=np.float32, casting="same_kind"),
-        "reward": np.array([c.reward for c in checked], np.float64),
+        "prompt_ids": _token_column(prompts, "prompt_ids", where),
+        "response_ids": _token_column(responses, "response_ids", where),
+        "loss_mask": _mask_column(checked.loss_mask, where),
+        "logprobs": np.concatenate(checked.logprobs, dtype=np.float32, casting="same_kind"),
+        "reward": np.array(checked.reward, np.float64),
     }
-    json_parts = [_group_json([c.doc for c in checked[a:b]], where[a:b]) for a, b in itertools.pairwise(goff)]
+    json_parts = [_group_json(checked.doc[a:b], where, a) for a, b in itertools.pairwise(goff)]
     columns["sample_json"] = np.frombuffer(b"".join(json_parts), np.uint8)
     prompt_off = _offsets([a.shape[0] for a in prompts])
     response_off = _offsets([a.shape[0] for a in responses])
     json_group_off = _offsets([len(p) for p in json_parts])
-    tcols, toffsets, carriers, tspecs, tsections = _tensor_columns(checked, where)
+    tcols, toffsets, carriers, tspecs, tsections = _tensor_columns(checked.tensors, where)
     columns.update(tcols)
     # element offsets at group boundaries, per dataset
     bounds = {"sample_json": json_group_off, "reward": group_off}
@@ -265,27 +337,14 @@ def encode_shard(groups: list[SampleGroup], *, writer_id: str, seq: int) -> Enco
     ):
         bounds[name] = off[group_off]
     datasets = list(columns)
-    crcs = np.zeros((g, len(datasets)), np.int64)
-    for d, name in enumerate(datasets):
-        col, b = columns[name], bounds[name].tolist()
-        if isinstance(col, np.ndarray):
-            for gi in range(g):
-                crcs[gi, d] = crc(col[b[gi] : b[gi + 1]])
-        else:  # big tensors kept per sample: chain the blocksum digest over the group's samples in order
-            by_sample = dict(zip(carriers[name], col, strict=True))
-            for gi in range(g):
-                value = 0
-                for i in range(goff[gi], goff[gi + 1]):
-                    if i in by_sample:
-                        value = blocksum(by_sample[i], value)
-                crcs[gi, d] = value
-    v = np.array([c.version for c in checked], np.int64)
+    crcs = np.array([_group_digests(columns[d], bounds[d].tolist(), goff, carriers.get(d)) for d in datasets])
+    v = np.array(checked.version, np.int64)
     sections: dict[str, np.ndarray] = {
         "group_offsets": group_off,
-        "group_crc": crcs.reshape(-1),
+        "group_crc": crcs.T.reshape(-1),
         "version": v,
-        "version_first": np.array([c.version_first for c in checked], np.int64),
-        "version_last": np.array([c.version_last for c in checked], np.int64),
+        "version_first": np.array(checked.version_first, np.int64),
+        "version_last": np.array(checked.version_last, np.int64),
         "prompt_offsets": prompt_off,
         "response_offsets": response_off,
         "json_group_offsets": json_group_off,

@@ -39,12 +39,23 @@ def new_writer_id(prefix: str = "writer") -> str:
     return check_writer_id(f"{prefix}.{uuid.uuid4().hex[:8]}")
 
 
+_RUN_DIRS: set[Path] = set()
+
+
 def open_run_dir(run_dir: RunDir | Path | str) -> RunDir:
-    """A :class:`RunDir` for an existing run; :class:`RunDirError` if the folder is not one."""
+    """A :class:`RunDir` for an existing run; :class:`RunDirError` if the folder is not one.
+
+    A run dir stays one (``RUN.json`` is written once, at creation), so a :class:`RunDir` whose root was checked
+    by this process is not checked again.
+    """
     if isinstance(run_dir, RunDir):
-        run_dir.info()
+        if run_dir.root not in _RUN_DIRS:
+            run_dir.info()
+            _RUN_DIRS.add(run_dir.root)
         return run_dir
-    return RunDir.open(run_dir)
+    rd = RunDir.open(run_dir)
+    _RUN_DIRS.add(rd.root)
+    return rd
 
 
 def describe_oserror(exc: OSError) -> str:
@@ -119,8 +130,9 @@ class ShardWriter:
         name = shard_name(seq, enc.num_samples, enc.num_groups, enc.min_version, enc.max_version)
         final = self.run_dir.shard_file(self.writer_id, name)
         tmp = self.run_dir.samples_tmp_file(f"{TMP_PREFIX}{self.writer_id}.{name}")
+        synced = self.fsync and self._queue is None  # with a publisher thread, it fsyncs
         try:
-            enc.write(tmp, fsync=False)
+            enc.write(tmp, fsync=synced)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -130,7 +142,7 @@ class ShardWriter:
             self._queue.put((seq, tmp, final))
         else:
             try:
-                self._publish(tmp, final)
+                self._publish(tmp, final, synced=synced)
             except RunDirError:
                 self.next_seq = seq
                 raise
@@ -138,9 +150,9 @@ class ShardWriter:
             final, self.writer_id, seq, enc.num_samples, enc.num_groups, enc.min_version, enc.max_version, enc.nbytes
         )
 
-    def _publish(self, tmp: Path, final: Path) -> None:
+    def _publish(self, tmp: Path, final: Path, *, synced: bool = False) -> None:
         try:
-            if self.fsync:
+            if self.fsync and not synced:
                 fd = os.open(tmp, os.O_RDONLY)
                 try:
                     os.fsync(fd)
