@@ -44,7 +44,7 @@ def make_items(n: int = 12, seed: int = 0) -> list[TrainItem]:
     return items
 
 
-def test_row_width_keeps_padding_small() -> None:
+def test_row_width_trades_padding_against_attention() -> None:
     from relax_hpc.trainer.batch import choose_row_width
 
     rng = np.random.default_rng(0)
@@ -52,8 +52,15 @@ def test_row_width_keeps_padding_small() -> None:
     width, rows = choose_row_width(lengths, sum(lengths))
     assert sorted(i for r in rows for i in r) == list(range(128))
     assert all(sum(lengths[i] for i in r) <= width for r in rows)
-    assert 1 - sum(lengths) / (len(rows) * width) <= 0.05
+    assert 1 - sum(lengths) / (len(rows) * width) <= 0.10
     assert width < sum(lengths)  # several rows, not one quadratic row
+    # a small model: rows (one row of ~1400 tokens trained 3x slower than rows of ~60 on the demo model)
+    lengths = [11] * 100 + [12] * 28
+    width, rows = choose_row_width(lengths, sum(lengths), attn_scale=384)
+    assert len(rows) > 1
+    # the cost model: a large model (attention cheap next to the matmuls) takes the padding-free single row
+    width, rows = choose_row_width(lengths, sum(lengths), attn_scale=1e9)
+    assert len(rows) == 1 and width == sum(lengths)
 
 
 def test_plan_packs_first_fit_and_no_overflow() -> None:
@@ -96,8 +103,7 @@ def _run_update(items_parts: list[list[TrainItem]], micro_batch_tokens: int) -> 
     tr.begin_step()
     for part in items_parts:
         tr.accumulate(copy.deepcopy(part))
-    m = tr.finish_step()
-    assert m["train/padding_fraction"] == 0.0
+    tr.finish_step()  # rows with padding tails (the cost model's choice): the updates must still be equal
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

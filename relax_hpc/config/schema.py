@@ -300,6 +300,10 @@ class WeightSyncConfig(Section):
     workers can form one; the snapshot on disk stays the truth for late joiners and recovery."""
     verify: Literal["sha256", "size"] = "sha256"
     """How readers verify a snapshot before loading it."""
+    files_every_s: float = Field(10.0, ge=0)
+    """fully_async, while the fast path serves every rollout worker: write the snapshot files of a published version
+    only if this many seconds passed since the last ones (the last step's always). Any worker off the fast path
+    (starting, restarted, link down) makes every published version go to the files again. 0: always write them."""
 
     @field_validator("fast_path", mode="before")
     @classmethod

@@ -78,7 +78,7 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
         t_sync = 0.0
         newest = latest_version(run_dir)
         sync_path = ""
-        if newest is not None and (engine.version != newest or counter == 0):
+        if newest is not None and (newest > engine.version or counter == 0):
             t0 = time.perf_counter()
             # the first weights come from the files (a late joiner starts at once); updates over the fast path
             got = fast.pull(engine.version, policy.model) if fast is not None and counter else None

@@ -132,6 +132,8 @@ class SnapshotFiles:
         self.session = session
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot") if session.publisher is not None else None
         self.pending: Future[None] | None = None
+        self.last_submit = time.monotonic()
+        """When the last version was handed to :meth:`submit` (``time.monotonic()``; creation counts as one)."""
 
     def submit(self, version: int, state_dict: dict[str, Any], *, private: bool = False) -> None:
         """Publish ``state_dict`` as ``version`` in the background; tensors that are live parameters are copied
@@ -139,6 +141,7 @@ class SnapshotFiles:
         if self.pool is None:
             return
         self.drain()
+        self.last_submit = time.monotonic()
         if private:
             self.pending = self.pool.submit(self._publish, version, state_dict)
             return

@@ -4,9 +4,9 @@ A :class:`TrainItem` is one sample (prompt + response) with everything the loss 
 micro-batches of at most ``max_tokens`` tokens (first-fit decreasing), each laid out as ``R`` rows of ``W`` tokens
 with position ids that restart at every sequence; HF models build a block-diagonal causal mask from the position ids
 (no attention across sequences). The tail of a row that no sequence fills is padding (its own position run, never
-read); the row width is chosen per micro-batch to keep that tail small (``padding_fraction`` is reported). One row
-(``R = 1``) has no padding at all but attention over the whole row; several short rows cost far less attention on
-CPUs and small models.
+read); the row width is chosen per micro-batch by a cost model of padding against attention (``padding_fraction`` is
+reported). One row (``R = 1``) has no padding at all but attention over the whole row; several short rows cost far
+less attention on CPUs and small models.
 
 Shapes (one micro-batch, S sequences, R rows of W tokens, T response tokens):
     input_ids, position_ids  [R, W]
@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+DEFAULT_ATTN_SCALE = 6.0 * 64
+"""``attn_scale`` of :func:`choose_row_width` for a model of hidden size 64 (the trainer passes 6 x its own)."""
 
 
 @dataclass
@@ -102,9 +105,12 @@ def plan_packs(lengths: list[int], max_tokens: int, *, alone: set[int] | None = 
     return packs
 
 
-def choose_row_width(lengths: list[int], max_tokens: int, *, max_padding: float = 0.05) -> tuple[int, list[list[int]]]:
-    """Row width W and the rows (indices): the narrowest of longest x 1, 2, 3 ... 16, then doubling (and one row of
-    everything) whose first-fit layout pads less than ``max_padding``; else the layout with the least padding."""
+def choose_row_width(lengths: list[int], max_tokens: int, *,
+                     attn_scale: float = DEFAULT_ATTN_SCALE) -> tuple[int, list[list[int]]]:
+    """Row width W and the rows (indices) of the cheapest layout among widths longest x 1, 2, 3 ... 16, then
+    doubling, and one row of everything. A layout of R rows costs ``R * W * (1 + W / attn_scale)``: every slot pays
+    the per-token work (padding too) and, with the block-diagonal mask built from the position ids, attention over
+    its whole row. ``attn_scale`` ~ 6 x hidden size (per-token attention work over per-token matmul work)."""
     total = sum(lengths)
     longest = max(lengths)
     widths = [longest * k for k in range(1, 17) if longest * k < total]
@@ -116,22 +122,21 @@ def choose_row_width(lengths: list[int], max_tokens: int, *, max_padding: float 
     best: tuple[float, int, list[list[int]]] | None = None
     for w in widths:
         rows = plan_packs(lengths, w)
-        pad = 1.0 - total / (len(rows) * w)
-        if pad <= max_padding:
-            return w, rows
-        if best is None or pad < best[0]:
-            best = (pad, w, rows)
+        cost = len(rows) * w * (1.0 + w / attn_scale)
+        if best is None or cost < best[0]:
+            best = (cost, w, rows)
     assert best is not None
     return best[1], best[2]
 
 
-def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu", rows: bool = True) -> MicroBatch:
+def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu", rows: bool = True,
+                      attn_scale: float = DEFAULT_ATTN_SCALE) -> MicroBatch:
     """Lay ``items`` out as packed rows (``rows=False``: one row, no padding)."""
     import torch
 
     lengths = [it.num_tokens for it in items]
     if rows and len(items) > 1:
-        width, layout = choose_row_width(lengths, sum(lengths))
+        width, layout = choose_row_width(lengths, sum(lengths), attn_scale=attn_scale)
     else:
         width, layout = sum(lengths), [list(range(len(items)))]
     n_rows = len(layout)
@@ -175,11 +180,13 @@ def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu", rows: bool
                       real_tokens=sum(lengths))
 
 
-def pack(items: list[TrainItem], max_tokens: int, *, device: Any = "cpu", rows: bool = True) -> list[MicroBatch]:
+def pack(items: list[TrainItem], max_tokens: int, *, device: Any = "cpu", rows: bool = True,
+         attn_scale: float = DEFAULT_ATTN_SCALE) -> list[MicroBatch]:
     """Pack items into micro-batches of at most ``max_tokens`` tokens each (see the module docstring)."""
     alone = {i for i, it in enumerate(items) if it.multimodal}
     groups = plan_packs([it.num_tokens for it in items], max_tokens, alone=alone)
-    return [build_micro_batch([items[i] for i in g], device=device, rows=rows) for g in groups]
+    return [build_micro_batch([items[i] for i in g], device=device, rows=rows, attn_scale=attn_scale)
+            for g in groups]
 
 
 def padding_fraction_padded(lengths: list[int], batch_size: int) -> float:

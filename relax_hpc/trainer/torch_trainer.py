@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
-from relax_hpc.trainer.batch import MicroBatch, TrainItem, pack, response_logits
+from relax_hpc.trainer.batch import DEFAULT_ATTN_SCALE, MicroBatch, TrainItem, pack, response_logits
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,9 @@ class TorchTrainer:
         t0 = time.perf_counter()
         cfg = self.cfg
         a = cfg.algorithm
-        mbs = pack(items, cfg.trainer.micro_batch_tokens, device=self.device, rows=self._use_rows(items))
+        hidden = int(getattr(getattr(self.model, "config", None), "hidden_size", 0) or 0)
+        mbs = pack(items, cfg.trainer.micro_batch_tokens, device=self.device, rows=self._use_rows(items),
+                   attn_scale=6.0 * hidden if hidden else DEFAULT_ATTN_SCALE)
         olds: list[Any] = []
         if a.proximal:  # decoupled PPO: the proximal policy is the trainer's own policy before this update
             with torch.no_grad():

@@ -113,6 +113,7 @@ class FastPathServer:
         self.sent: dict[int, int] = {}
         """worker -> number of weight transfers served (for tests and metrics)."""
         self._served: set[int] = set()
+        self._linked: dict[int, bool] = {}
         for k in range(num_workers):
             self._start(k)
         # workers added later (``relax-hpc scale``) get a link too: watch the rollout heartbeats for new ranks
@@ -133,6 +134,10 @@ class FastPathServer:
                 if rank.isdigit() and int(rank) not in self._served:
                     log.info("fast path: new rollout worker %s, serving it", name)
                     self._start(int(rank))
+
+    def all_linked(self) -> bool:
+        """Whether every worker this server knows of (configured or seen later) has its link formed now."""
+        return all(self._linked.get(k, False) for k in list(self._served))
 
     def update(self, version: int, state_dict: Mapping[str, Any]) -> PackedWeights:
         """Hand over the weights of ``version`` (packed into buckets: a copy, so the trainer may keep training).
@@ -159,11 +164,13 @@ class FastPathServer:
                 log.debug("fast path to rollout-%d not formed: %s", worker, exc)
                 continue
             log.info("fast path to rollout-%d formed (generation %d)", worker, group.generation)
+            self._linked[worker] = True
             try:
                 (self._push if uses_push(self.device) else self._answer)(worker, group)
             except Exception as exc:
                 log.info("fast path to rollout-%d closed: %s", worker, str(exc).splitlines()[0] if str(exc) else exc)
             finally:
+                self._linked[worker] = False
                 group.close()
 
     def _push(self, worker: int, group: Any) -> None:
