@@ -630,8 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     common = [f"num_steps={a.steps}"]
     if a.device:
         common += [f"trainer.device={a.device}", f"rollout.device={a.device}"]
-    if a.device == "cuda":  # both roles share one GPU: NCCL refuses two ranks on one device (--set can turn it on)
-        common.append("weights.fast_path=off")
+    if a.device == "cuda":  # both roles share one GPU: NCCL refuses two ranks on one device, gloo goes via the host
+        common.append("weights.fast_path=gloo")
     common += a.overrides
     made = a.out is None
     out = Path(tempfile.mkdtemp(prefix="relax-bench-pipeline-")) if made else Path(a.out)

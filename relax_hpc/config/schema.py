@@ -295,9 +295,11 @@ class WeightSyncConfig(Section):
     """Publish a weight snapshot every N trainer steps."""
     keep_last: int = Field(3, ge=1)
     """Snapshots kept (plus pinned ones and any a reader holds a lease on)."""
-    fast_path: Literal["auto", "off"] = "auto"
-    """Also broadcast new weights over a process group (NCCL on GPU, gloo on CPU) when trainer rank 0 and the rollout
-    workers can form one; the snapshot on disk stays the truth for late joiners and recovery."""
+    fast_path: Literal["auto", "gloo", "off"] = "auto"
+    """Also send new weights over a process group when trainer rank 0 and the rollout workers can form one (the
+    snapshot on disk stays the truth for late joiners and recovery): ``auto`` uses NCCL for GPU models and gloo on
+    CPU; ``gloo`` sends GPU weights through host memory over TCP (roles sharing one GPU, which NCCL refuses, or nodes
+    without a common NCCL fabric)."""
     verify: Literal["sha256", "size"] = "sha256"
     """How readers verify a snapshot before loading it."""
     files_every_s: float = Field(10.0, ge=0)

@@ -55,10 +55,10 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     writer = ShardWriter(run_dir, writer_id)
     reader = SnapshotReader(run_dir, name=proc)
     fast = None
-    if cfg.weights.fast_path == "auto":
-        from relax_hpc.weights.fastpath import FastPathClient
+    if cfg.weights.fast_path != "off":
+        from relax_hpc.weights.fastpath import FastPathClient, link_device
 
-        fast = FastPathClient(run_dir, rank, device=policy.device)
+        fast = FastPathClient(run_dir, rank, device=link_device(cfg.weights.fast_path, policy.device))
 
     def finished() -> bool:
         return run_dir.status_file.exists()

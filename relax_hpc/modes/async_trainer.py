@@ -58,10 +58,11 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
     trainer, session, consumer, plan_seq = r.trainer, r.session, r.consumer, r.plan_seq
     session.publish()  # the rollout workers start from this version (a no-op if it is already published)
     fast = None
-    if cfg.weights.fast_path == "auto" and rank == 0:
-        from relax_hpc.weights.fastpath import FastPathServer
+    if cfg.weights.fast_path != "off" and rank == 0:
+        from relax_hpc.weights.fastpath import FastPathServer, link_device
 
-        fast = FastPathServer(run_dir, cfg.rollout.num_workers, device=policy.device)
+        fast = FastPathServer(run_dir, cfg.rollout.num_workers,
+                              device=link_device(cfg.weights.fast_path, policy.device))
         fast.update(trainer.step, trainer.full_state_dict())
     files = SnapshotFiles(session)
     seen = SeenBacklog()

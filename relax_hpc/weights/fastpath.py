@@ -90,8 +90,15 @@ class PackedWeights:
 
         views = self.views()
         names = list(views)
+        dst, src = [self.state_dict[n] for n in names], [views[n] for n in names]
         with torch.no_grad():
-            torch._foreach_copy_([self.state_dict[n] for n in names], [views[n] for n in names])
+            if all(d.device == s.device for d, s in zip(dst, src)):
+                torch._foreach_copy_(dst, src)
+            else:  # host buffers into GPU weights (fast_path: gloo)
+                for d, s in zip(dst, src):
+                    d.copy_(s, non_blocking=True)
+                if any(d.is_cuda for d in dst):
+                    torch.cuda.current_stream().synchronize()
 
 
 NOTHING_NEWER, MISMATCH = -1, -2
@@ -209,6 +216,12 @@ class FastPathServer:
                 for flat in latest[1].buckets:
                     group.broadcast(flat, src=0)
                 self.sent[worker] = self.sent.get(worker, 0) + 1
+
+
+def link_device(mode: str, model_device: str) -> str:
+    """The device of a link's buffers for ``weights.fast_path`` = ``mode``: the model's (``auto``: NCCL for a GPU
+    model), or the host (``gloo``: GPU weights go through host memory)."""
+    return "cpu" if mode == "gloo" else model_device
 
 
 def uses_push(device: str) -> bool:
