@@ -213,18 +213,27 @@ def form_group(run_dir: RunDir | Path | str, group: str, *, rank: int, world_siz
                min_generation: int = 0, probe_timeout_s: float = 5.0) -> FastPathGroup:
     """Form (rank 0) or join (other ranks) the fast-path group ``group`` of ``world_size`` processes.
 
-    ``device`` picks the backend: gloo for CPU, NCCL for CUDA. Rank 0 advertises ``host`` (default: the
-    ``RELAX_HPC_RDZV_HOST`` variable, else the host name). Joiners ignore files older than ``min_generation``.
-    Raises :class:`WaitTimeout` saying what was waited for when nobody publishes or not everyone joins in time.
+    ``device`` picks the backend: gloo for CPU, NCCL for CUDA; rank 0's choice holds (a CUDA rank joining a gloo
+    group gets a CPU group, a CPU rank cannot join an NCCL group: :class:`RelaxError`). Rank 0 advertises ``host``
+    (default: the ``RELAX_HPC_RDZV_HOST`` variable, else the host name). Joiners ignore files older than
+    ``min_generation``. Raises :class:`WaitTimeout` saying what was waited for when nobody publishes or not
+    everyone joins in time.
     """
     import torch
     import torch.distributed as dist
 
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     deadline = time.monotonic() + timeout_s
     info, store, path = _rendezvous(run_dir, group, rank=rank, world_size=world_size, timeout_s=timeout_s,
                                     host=host, min_generation=min_generation, probe_timeout_s=probe_timeout_s,
                                     backend="nccl" if dev.type == "cuda" else "gloo")
+    if rank != 0 and info.backend != ("nccl" if dev.type == "cuda" else "gloo"):  # rank 0 picked the backend
+        if info.backend != "gloo":
+            raise RelaxError(f"rank 0 formed group {group!r} with {info.backend}, which needs a GPU on every rank")
+        log.info("group %s: rank 0 uses gloo; this rank's tensors go through host memory", group)
+        dev = torch.device("cpu")
     timeout = timedelta(seconds=timeout_s)
     try:
         backend = _make_backend(store, rank, world_size, dev, timeout)

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from relax_hpc.config.schema import TinyModelConfig
@@ -117,3 +118,40 @@ def test_mismatched_model_is_refused_and_falls_back(tmp_path: Path) -> None:
     # refused: the worker loads the files instead, and its weights were not touched
     assert json.loads(worker.stdout.strip().splitlines()[-1]) == {"pulled": None, "unchanged": True}
     assert "differ from this worker's model" in worker.stderr
+
+
+CUDA_WORKER = textwrap.dedent("""
+    import json, sys, time, torch
+    from relax_hpc.config.schema import TinyModelConfig
+    from relax_hpc.models.tiny import build_tiny_model
+    from relax_hpc.rundir import RunDir
+    from relax_hpc.weights.fastpath import FastPathClient
+    model = build_tiny_model(TinyModelConfig(), 18, seed=1).cuda()
+    client = FastPathClient(RunDir(sys.argv[1]), 0, device="cuda", join_timeout_s=60)
+    v = -1
+    for _ in range(600):
+        v = client.pull(-1, model)
+        if v is not None and v >= 1:
+            break
+        time.sleep(0.05)
+    torch.save({k: t.cpu() for k, t in model.state_dict().items()}, sys.argv[2])
+    print(json.dumps({"version": v, "device": str(next(model.parameters()).device)}), flush=True)
+""")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_worker_joins_a_gloo_link_through_host_memory(tmp_path: Path) -> None:
+    # the trainer's link is gloo (weights.fast_path: gloo, or a CPU trainer): a GPU worker joins it and copies the
+    # host buffers into its GPU weights
+    rd = RunDir.create(tmp_path / "run")
+    model = build_tiny_model(TinyModelConfig(), 18, seed=0)
+    server = FastPathServer(rd, 1, device="cpu", timeout_s=120)
+    server.update(1, model.state_dict())
+    out = tmp_path / "got.pt"
+    worker = subprocess.run([sys.executable, "-c", CUDA_WORKER, str(rd.root), str(out)], capture_output=True,
+                            text=True, timeout=300)
+    server.close()
+    assert worker.returncode == 0, worker.stderr[-3000:]
+    assert json.loads(worker.stdout.strip().splitlines()[-1]) == {"version": 1, "device": "cuda:0"}
+    got = torch.load(out)
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())

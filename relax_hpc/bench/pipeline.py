@@ -576,8 +576,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field in both modes (repeatable)")
     p.add_argument("--recipe", default=str(DEMO_RECIPE), help="recipe (default: recipes/demo.yaml)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="trainer.device and rollout.device of both modes (default: the recipe's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="trainer.device and rollout.device of both modes (default: cpu, also on a GPU machine)")
     p.add_argument("--cores", default=None, help="two CPU ids A,B: trainer on A, rollout on B (default: the first two)")
     p.add_argument("--out", default=None, help="folder for the run dirs (default: a new temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs (and write result.json beside them)")

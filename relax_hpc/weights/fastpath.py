@@ -173,7 +173,7 @@ class FastPathServer:
             log.info("fast path to rollout-%d formed (generation %d)", worker, group.generation)
             self._linked[worker] = True
             try:
-                (self._push if uses_push(self.device) else self._answer)(worker, group)
+                (self._push if uses_push(str(group.device)) else self._answer)(worker, group)
             except Exception as exc:
                 log.info("fast path to rollout-%d closed: %s", worker, str(exc).splitlines()[0] if str(exc) else exc)
             finally:
@@ -287,7 +287,7 @@ class FastPathClient:
                 self._tensors = list(target.parameters()) + list(target.buffers()) if hasattr(
                     target, "parameters") else list(target.values())
                 self._ptrs = [t.data_ptr() for t in self._tensors]
-            return (self._take if uses_push(self.device) else self._request)(g, have_version)
+            return (self._take if uses_push(str(g.device)) else self._request)(g, have_version)
         except RelaxError as exc:  # lasting: retry only after retry_s
             log.warning("fast path refused (%s); using weight snapshots", exc)
             self.close()
