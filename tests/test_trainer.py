@@ -4,6 +4,7 @@ checkpoints (safetensors + JSON) that restore model, optimizer and RNG."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,3 +180,32 @@ def test_missing_model_path_is_user_error(tmp_path) -> None:
     tok = build_digits_tokenizer()
     with pytest.raises(UserError, match="does not exist"):
         load_model(ModelConfig(path=str(tmp_path / "no-model")), tok, device="cpu", dtype=torch.float32)
+
+
+def test_background_checkpoint_holds_the_state_of_its_step(tmp_path: Path) -> None:
+    from relax_hpc.algorithms.registry import get_algorithm
+    from relax_hpc.events import EventLog
+    from relax_hpc.trainer.session import TrainerSession
+
+    model, tok = make_model()
+    cfg = make_cfg()
+    tr = TorchTrainer(cfg, model, device="cpu", dtype=torch.float32, algorithm=get_algorithm("grpo"))
+    rd = RunDir.create(tmp_path / "run")
+    session = TrainerSession(rd, cfg, tr, tok, EventLog(rd, "trainer", 0))
+    tr.train_step(make_items(8))
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved: list[int] = []
+    session.checkpoint({"note": "bg"}, on_saved=lambda: saved.append(1), background=True)
+    assert session.last_checkpoint_step == 1
+    tr.train_step(make_items(8))  # training goes on while the write runs: the checkpoint keeps step 1's weights
+    assert any(not torch.equal(want[k], v) for k, v in model.state_dict().items())
+    session.drain()
+    assert saved == [1]  # on_saved ran on this thread, once, after the write
+    session.drain()
+    assert saved == [1]
+    path = latest_checkpoint(rd)
+    assert path is not None and path.name.endswith("1")
+    model_sd, optim_sd, state = load_checkpoint(path)
+    assert state["step"] == 1 and state["note"] == "bg" and optim_sd is not None
+    assert all(torch.equal(model_sd[k], want[k]) for k in want if k in model_sd)
+    session.close()

@@ -270,6 +270,10 @@ class TrainerConfig(Section):
     """Checkpoint every N steps (and always on SIGTERM/SIGUSR2 and at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many checkpoints to keep."""
+    async_checkpoint: bool = False
+    """Write periodic checkpoints on a background thread: the step only takes a CPU copy of the weights, optimizer
+    state and RNG (that much extra host memory while the write runs); the store position is committed once the
+    checkpoint is durable. Checkpoints on a signal or at the end are always written before the role exits."""
     export_final: bool = True
     """Export the final model in HF format to ``RUN_DIR/export``."""
 

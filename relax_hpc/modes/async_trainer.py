@@ -15,6 +15,7 @@ corrects them). After every ``weights.publish_every`` steps the new weights are 
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -133,9 +134,10 @@ def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, worl
         t_ckpt = time.perf_counter()
         if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
             pos = consumer.position_after(plan_seq)
-            session.checkpoint({"store_position": pos})
-            if rank == 0:
-                consumer.commit(pos)
+            session.checkpoint({"store_position": pos}, on_saved=functools.partial(consumer.commit, pos),
+                               background=cfg.trainer.async_checkpoint and not stop.is_set)
+        else:
+            session.poll()
         t_ckpt = time.perf_counter() - t_ckpt
         step_time = time.perf_counter() - t_step
         wait_total += t_wait

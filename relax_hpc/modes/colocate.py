@@ -9,6 +9,7 @@ weights are the trained weights (same module, updated in memory). Snapshots are 
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -92,9 +93,12 @@ def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_siz
             t_sync = time.perf_counter() - t0
         t_ckpt = time.perf_counter()
         if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
-            session.checkpoint({"data": stream.state(), "store_position": consumer.position_after(plan_seq)})
-            if rank == 0:
-                consumer.commit(consumer.position_after(plan_seq))
+            pos = consumer.position_after(plan_seq)
+            session.checkpoint({"data": stream.state(), "store_position": pos},
+                               on_saved=functools.partial(consumer.commit, pos),
+                               background=cfg.trainer.async_checkpoint and not stop.is_set)
+        else:
+            session.poll()
         t_ckpt = time.perf_counter() - t_ckpt
         step_time = time.perf_counter() - t_step
         nsamp = max(1, len(items))

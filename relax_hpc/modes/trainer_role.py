@@ -5,6 +5,7 @@ exit for requeue, or export, mark the run completed and exit)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -101,12 +102,12 @@ def end_trainer_role(r: TrainerRole, extra_state: Callable[[], dict[str, Any]],
     checkpoint exists; ``extra_state()`` adds the data position), commit the store position, exit for requeue.
     Otherwise export the final model (if asked), write the run's STATUS.json (rank 0; ``status`` adds fields)."""
     trainer, session = r.trainer, r.session
+    session.drain()  # a background checkpoint is durable (and its position committed) before anything else
     if r.stop.is_set and trainer.step < r.cfg.num_steps:
         if session.last_checkpoint_step != trainer.step:
             pos = r.consumer.position
-            session.checkpoint({**extra_state(), "store_position": pos})
-            if r.rank == 0:
-                r.consumer.commit(pos)
+            session.checkpoint({**extra_state(), "store_position": pos},
+                               on_saved=functools.partial(r.consumer.commit, pos))
         session.close()
         r.events.event("preempted", "checkpointed after a signal; exiting for requeue", step=trainer.step)
         r.hb.stop("stopped")

@@ -8,9 +8,11 @@ trainer's parallel layout was), ``optimizer.safetensors`` (optimizer tensors key
 
 from __future__ import annotations
 
+import copy as copy_module
 import logging
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,28 +87,53 @@ def dedupe_shared(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     return out, aliases
 
 
-def save_checkpoint(run_dir: RunDir, step: int, *, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None,
-                    state: dict[str, Any], keep: int = 2) -> Path:
-    """Publish ``checkpoints/step_<step>`` atomically and move LATEST. Only the leader rank calls this."""
+@dataclass
+class CheckpointData:
+    """Everything a checkpoint writes besides its state JSON, taken at one moment (:func:`capture`)."""
+
+    model: dict[str, Any]
+    """Model tensors on the CPU, tied ones once (see ``aliases``)."""
+    aliases: dict[str, str]
+    optim: dict[str, Any]
+    """Flattened optimizer state tensors (``<param>::<key>``)."""
+    groups: list[dict[str, Any]]
+    rng_js: dict[str, Any]
+    rng_t: dict[str, Any]
+
+
+def capture(model_sd: dict[str, Any], optim_sd: dict[str, Any] | None, *, copy: bool) -> CheckpointData:
+    """Take the checkpoint's content now (the RNG states too). ``copy``: own copies of every tensor, so training may
+    go on while a background thread writes them (tied tensors stay one copy)."""
+    unique, aliases = dedupe_shared(model_sd)
+    ot, groups = flatten_optimizer(optim_sd) if optim_sd is not None else ({}, [])
+    rng_js, rng_t = rng_state()
+    model = {k: v.detach().cpu().contiguous() for k, v in unique.items()}
+    if copy:  # CPU tensors above may be the live ones
+        model = {k: v.clone() for k, v in model.items()}
+        ot = {k: v.clone() for k, v in ot.items()}
+        groups = copy_module.deepcopy(groups)
+    return CheckpointData(model, aliases, ot, groups, rng_js, rng_t)
+
+
+def save_checkpoint(run_dir: RunDir, step: int, *, model_sd: dict[str, Any] | None = None,
+                    optim_sd: dict[str, Any] | None = None, state: dict[str, Any], keep: int = 2,
+                    data: CheckpointData | None = None) -> Path:
+    """Publish ``checkpoints/step_<step>`` atomically and move LATEST. Only the leader rank calls this. The content
+    is ``data`` (from :func:`capture`) or, if not given, taken from ``model_sd`` / ``optim_sd`` now."""
     from safetensors.torch import save_file
 
+    from relax_hpc.fsio import atomic_write_json
+
+    if data is None:
+        data = capture(model_sd or {}, optim_sd, copy=False)
     final = run_dir.checkpoint(step)
     if is_complete(final):
         shutil.rmtree(final)  # re-saving the same step (e.g. on a signal right after a periodic save)
-    rng_js, rng_t = rng_state()
     with staged_dir(final) as tmp:
-        unique, aliases = dedupe_shared(model_sd)
-        save_file({k: v.detach().cpu().contiguous() for k, v in unique.items()}, str(tmp / "model.safetensors"))
-        groups: list[dict[str, Any]] = []
-        if optim_sd is not None:
-            ot, groups = flatten_optimizer(optim_sd)
-            save_file({**ot, **rng_t}, str(tmp / "optimizer.safetensors"))
-        else:
-            save_file(rng_t, str(tmp / "optimizer.safetensors"))
-        from relax_hpc.fsio import atomic_write_json
-
-        atomic_write_json(tmp / "state.json", {**state, "step": step, "param_groups": groups, "rng": rng_js,
-                                                  "aliases": aliases})
+        save_file(data.model, str(tmp / "model.safetensors"))
+        save_file({**data.optim, **data.rng_t}, str(tmp / "optimizer.safetensors"))
+        atomic_write_json(tmp / "state.json", {**state, "step": step, "param_groups": data.groups,
+                                               "rng": data.rng_js, "aliases": data.aliases})
     atomic_write_text(run_dir.checkpoints_latest, f"{step}\n")
     _retention(run_dir, keep)
     log.info("checkpoint step %d saved to %s", step, final)

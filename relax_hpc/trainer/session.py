@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.events import EventLog
 from relax_hpc.rundir import RunDir
-from relax_hpc.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from relax_hpc.trainer.checkpoint import capture, latest_checkpoint, load_checkpoint, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,9 @@ class TrainerSession:
         self.publisher = SnapshotPublisher(run_dir, keep_last=cfg.weights.keep_last) if rank == 0 else None
         self.version = 0
         self.last_checkpoint_step = -1
+        """The step of the last checkpoint taken (written, or being written in the background)."""
+        self._writer: Any = None
+        self._pending: tuple[Future[Path], tuple[int, float, Callable[[], None] | None]] | None = None
         self.sinks = None
         if rank == 0:
             from relax_hpc.monitor.sinks import make_sinks
@@ -49,6 +55,9 @@ class TrainerSession:
             self.sinks.log(metrics, step)
 
     def close(self) -> None:
+        self.drain()
+        if self._writer is not None:
+            self._writer.shutdown()
         if self.sinks is not None:
             self.sinks.close()
 
@@ -66,18 +75,53 @@ class TrainerSession:
         log.info("resumed from %s (step %d, version %d)", path, self.trainer.step, self.version)
         return state
 
-    def checkpoint(self, extra_state: dict[str, Any]) -> None:
-        """Save a checkpoint of the current step (every rank calls; rank 0 writes)."""
+    def checkpoint(self, extra_state: dict[str, Any], *, on_saved: Callable[[], None] | None = None,
+                   background: bool = False) -> None:
+        """Checkpoint the current step (every rank calls; rank 0 writes). ``on_saved`` runs on this thread once the
+        checkpoint is durable (e.g. committing the store position it holds): before this returns or, with
+        ``background``, when :meth:`poll` or :meth:`drain` finds the background write done. The content (weights,
+        optimizer, RNG) is taken now either way; a background write holds one CPU copy of it."""
+        self.drain()
         t0 = time.perf_counter()
         model_sd = self.trainer.full_state_dict()
         optim_sd = self.trainer.full_optimizer_state()
-        if self.rank == 0:
-            step = self.trainer.step
-            save_checkpoint(self.run_dir, step, model_sd=model_sd, optim_sd=optim_sd,
-                            state={"version": self.version, **extra_state}, keep=self.cfg.trainer.keep_checkpoints)
-            self.events.event("checkpoint_saved", f"checkpoint at step {step}", step=step,
-                              seconds=time.perf_counter() - t0)
-        self.last_checkpoint_step = self.trainer.step
+        step = self.trainer.step
+        self.last_checkpoint_step = step
+        if self.rank != 0:
+            if on_saved is not None:
+                on_saved()
+            return
+        data = capture(model_sd, optim_sd, copy=background)
+        state = {"version": self.version, **extra_state}
+        job = (step, t0, on_saved)
+        if not background:
+            save_checkpoint(self.run_dir, step, data=data, state=state, keep=self.cfg.trainer.keep_checkpoints)
+            self._saved(*job)
+            return
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._pending = (self._writer.submit(save_checkpoint, self.run_dir, step, data=data, state=state,
+                                             keep=self.cfg.trainer.keep_checkpoints), job)
+
+    def _saved(self, step: int, t0: float, on_saved: Callable[[], None] | None) -> None:
+        self.events.event("checkpoint_saved", f"checkpoint at step {step}", step=step,
+                          seconds=time.perf_counter() - t0)
+        if on_saved is not None:
+            on_saved()
+
+    def poll(self) -> None:
+        """Finish a background checkpoint whose write is done (its ``on_saved`` runs here); errors are raised."""
+        if self._pending is not None and self._pending[0].done():
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait for a background checkpoint and finish it (raising its error, if any)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[0].result()
+            self._saved(*pending[1])
 
     def publish(self, state_dict: dict[str, Any] | None = None) -> float:
         """Publish the current weights as snapshot ``version`` (= trainer step). Returns seconds spent."""
