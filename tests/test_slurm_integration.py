@@ -198,7 +198,7 @@ def test_trainer_requeued_by_scontrol_resumes(submitted: list[RunDir], tmp_path:
 
 
 def test_cancel_then_resume(submitted: list[RunDir], tmp_path: Path) -> None:
-    rd = submit(tmp_path / "cr", "num_steps=10", runs=submitted)
+    rd = submit(tmp_path / "cr", "num_steps=400", runs=submitted)  # long enough to still run when cancelled
     during_run(rd, lambda: trainer_steps(rd, "colocate-0"), "a first step", 600)
     res = cli("cancel", str(rd.root), "--timeout", "120")
     assert res.returncode == 0 and "cancelled Slurm job" in res.stdout, res.stderr
@@ -207,7 +207,7 @@ def test_cancel_then_resume(submitted: list[RunDir], tmp_path: Path) -> None:
     assert res.returncode == 0 and "submitted job" in res.stdout, res.stderr
     finished_ok(rd, 900)
     steps = trainer_steps(rd, "colocate-0")
-    assert steps[-1] == 10 and steps.count(1) == 1, steps
+    assert steps[-1] == 400 and steps.count(1) == 1, steps
     assert len(read_launch_record(rd)["history"]) == 1
 
 
