@@ -228,6 +228,14 @@ class RunDir:
         return self.control / f"{proc}.json"
 
     @property
+    def claims(self) -> Path:
+        """Rollout workers' claims on room in the sample store (admission control): one file per worker."""
+        return self.root / "claims"
+
+    def claim_file(self, proc: str) -> Path:
+        return self.claims / f"{proc}.json"
+
+    @property
     def slurm(self) -> Path:
         return self.root / "slurm"
 

@@ -1,10 +1,10 @@
 """Role ``rollout`` of mode ``fully_async``: generate groups with the latest published weights, write them to the
 sample store, and pause when the store's backlog shows the trainer would find them too stale.
 
-Admission control: a batch generated now with weights ``v`` is consumed after the backlog ahead of it, so its
-staleness is about ``1 + backlog_groups / prompts_per_step`` versions. A worker starts a batch only while
-``backlog_groups < max(max_staleness, 1) * prompts_per_step``; otherwise it pauses (counted in
-``perf/rollout_pause_time``). Weights are picked up between generation batches (LATEST is one small read).
+Admission control (:mod:`relax_hpc.modes.admission`): a batch generated now with weights ``v`` is consumed after
+the backlog and the batches other workers are generating, so its staleness is about ``1 + ahead / prompts_per_step``
+versions. A worker claims room for a batch only while ``ahead + batch <= max(max_staleness, 1) * prompts_per_step``;
+otherwise it pauses (counted in ``perf/rollout_pause_time``). Weights are picked up between generation batches.
 A worker stops when the run's STATUS.json appears, when asked to drain (control file), or on SIGTERM/SIGUSR2
 (it is stateless: a restarted worker rejoins at the latest version with a new writer id).
 """
@@ -34,6 +34,7 @@ def drain_requested(run_dir: RunDir, proc: str) -> bool:
 def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> int:
     """Generate until the run ends. Returns an exit code."""
     from relax_hpc.modes import components as C
+    from relax_hpc.modes.admission import Admission
     from relax_hpc.rollout.groups import build_groups, score_completions
     from relax_hpc.store import ShardWriter, backlog, new_writer_id
     from relax_hpc.store.watch import files_watch
@@ -69,7 +70,8 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     del first
     P = cfg.rollout.prompts_per_step
     limit = max(cfg.max_staleness, 1) * P
-    watch = files_watch(run_dir.consumer_planned("trainer"), run_dir.weights_latest)
+    admission = Admission(run_dir, proc, limit=limit, max_age_s=max(600.0, 4 * cfg.monitor.dead_after_s))
+    watch = files_watch(run_dir.consumer_planned("trainer"), run_dir.weights_latest, run_dir.claims)
     hb.beat(state="running", force=True)
     counter = 0
     pause_total = 0.0
@@ -91,19 +93,20 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
         t0 = time.perf_counter()
         paused = False
         seen = newest
-        groups = backlog(run_dir).groups
         # The trainer frees room once per step: react within a millisecond (for the first second of a pause; then
-        # every 20 ms). A poll is a few stats; the backlog and LATEST are read again only when the planned position
-        # or LATEST changed (or every 50 ms).
-        while groups >= limit and not (finished() or stop.is_set):
+        # every 20 ms). A poll is a few stats; the backlog, the claims and LATEST are read again only when the
+        # planned position, the claims folder or LATEST changed (or every 50 ms).
+        room = admission.try_claim(cfg.rollout.batch_prompts, backlog(run_dir).groups)
+        while not room and not (finished() or stop.is_set):
             if not paused and time.perf_counter() - t0 > 0.5:  # the monitor shows pauses, not each step's wait
                 hb.beat(state="paused")
                 paused = True
             stop.wait(0.0005 if time.perf_counter() - t0 < 1.0 else 0.02)
             if watch.changed():
-                groups, newest = backlog(run_dir).groups, latest_version(run_dir)
+                newest = latest_version(run_dir)
                 if newest is not None and newest != seen:
                     break  # new weights while paused: reload before generating
+                room = admission.try_claim(cfg.rollout.batch_prompts, backlog(run_dir).groups)
         pause = time.perf_counter() - t0
         pause_total += pause
         if paused:
@@ -137,6 +140,7 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
         t0 = time.perf_counter()
         if groups:
             writer.write(groups)
+        admission.release()  # after the shard is published: its groups now count in the backlog
         t_write = time.perf_counter() - t0
         sync_metrics = {f"perf/update_weights_time_{sync_path}": t_sync} if sync_path else {}
         events.metrics({"rollout/generate_time": t_gen, "perf/rollout_pause_time": pause,
@@ -145,6 +149,7 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
                         "weights/fast_path_used": float(sync_path == "fast"), **sync_metrics,
                         "rollout/groups": float(len(groups)), **counts}, step=engine.version)
         hb.beat(step=counter, version=engine.version)
+    admission.release()
     if fast is not None:
         fast.close()
     events.event("stopped", f"rollout worker {rank} stopping after {counter} prompts "

@@ -103,6 +103,7 @@ class PackedWeights:
 
 NOTHING_NEWER, MISMATCH = -1, -2
 ANNOUNCE_KEY = "announced"
+LATEST_KEY = "latest"  # the newest version the trainer has, set when it is handed over (the announced one may lag)
 
 
 class FastPathServer:
@@ -121,6 +122,7 @@ class FastPathServer:
         """worker -> number of weight transfers served (for tests and metrics)."""
         self._served: set[int] = set()
         self._linked: dict[int, bool] = {}
+        self._groups: dict[int, Any] = {}  # formed push links: told the newest version at once (``LATEST_KEY``)
         for k in range(num_workers):
             self._start(k)
         # workers added later (``relax-hpc scale``) get a link too: watch the rollout heartbeats for new ranks
@@ -153,6 +155,12 @@ class FastPathServer:
         with self._cond:
             self._latest = (version, packed)
             self._cond.notify_all()
+        for worker, group in list(self._groups.items()):
+            if uses_push(str(group.device)):
+                try:
+                    group.set_key(LATEST_KEY, str(version))
+                except Exception as exc:  # the link is going down: its serving thread notices
+                    log.debug("fast path to rollout-%d: newest version not set: %s", worker, exc)
         return packed
 
     def close(self) -> None:
@@ -172,12 +180,14 @@ class FastPathServer:
                 continue
             log.info("fast path to rollout-%d formed (generation %d)", worker, group.generation)
             self._linked[worker] = True
+            self._groups[worker] = group
             try:
                 (self._push if uses_push(str(group.device)) else self._answer)(worker, group)
             except Exception as exc:
                 log.info("fast path to rollout-%d closed: %s", worker, str(exc).splitlines()[0] if str(exc) else exc)
             finally:
                 self._linked[worker] = False
+                self._groups.pop(worker, None)
                 group.close()
 
     def _push(self, worker: int, group: Any) -> None:
@@ -305,8 +315,25 @@ class FastPathClient:
         the target's weights while it is pulled into."""
         return any(t.data_ptr() != p for t, p in zip(self._tensors, self._ptrs))
 
-    def _take(self, g: Any, have_version: int) -> int:
-        """gloo: receive the announced version if it is new to this link (its buckets are already on the way)."""
+    def _take(self, g: Any, have_version: int, *, catch_up_s: float = 2.0) -> int:
+        """gloo: receive the announced version if it is new to this link (its buckets are already on the way). If
+        the trainer already has a newer one (a worker that pulls seldom finds an old version waiting in the link),
+        receive until the newest arrived (at most ``catch_up_s``)."""
+        newest = self._take_announced(g, have_version)
+        if self._taken < 0:
+            return newest
+        deadline = time.monotonic() + catch_up_s
+        while time.monotonic() < deadline:
+            latest = g.get_key(LATEST_KEY)
+            if latest is None or int(latest) <= self._taken:
+                break
+            got = self._take_announced(g, newest)
+            if got == newest:
+                time.sleep(0.0005)  # the serving thread announces the newest once the old one is taken
+            newest = got
+        return newest
+
+    def _take_announced(self, g: Any, have_version: int) -> int:
         assert self._recv is not None
         note = g.get_key(ANNOUNCE_KEY, known=self._taken >= 0)
         if note is None:

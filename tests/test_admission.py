@@ -1,0 +1,43 @@
+"""Admission control between rollout workers: room is claimed under a lock, counted until the shard is published,
+and a dead worker's old claim does not block the others."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from relax_hpc.modes.admission import Admission
+from relax_hpc.rundir import RunDir
+
+
+def test_claims_share_the_room_between_workers(tmp_path: Path) -> None:
+    rd = RunDir.create(tmp_path / "run")
+    a = Admission(rd, "rollout-0", limit=16)
+    b = Admission(rd, "rollout-1", limit=16)
+    assert a.try_claim(16, backlog_groups=0)  # room for one batch: the first worker takes it
+    assert a.try_claim(16, backlog_groups=0)  # held: asking again does not claim twice
+    assert not b.try_claim(16, backlog_groups=0)  # the other worker's batch would be consumed a version later
+    a.release()  # published: now its groups are in the backlog
+    assert not b.try_claim(16, backlog_groups=16)
+    assert b.try_claim(16, backlog_groups=0)  # the trainer planned them
+    assert not a.try_claim(8, backlog_groups=0)
+    b.release()
+    # smaller batches fill the room together
+    assert a.try_claim(8, backlog_groups=0) and b.try_claim(8, backlog_groups=0)
+    assert not Admission(rd, "rollout-2", limit=16).try_claim(8, backlog_groups=0)
+
+
+def test_a_dead_workers_old_claim_is_ignored(tmp_path: Path) -> None:
+    rd = RunDir.create(tmp_path / "run")
+    rd.claims.mkdir(parents=True, exist_ok=True)
+    rd.claim_file("rollout-7").write_text(json.dumps({"groups": 16, "time": time.time() - 3600, "pid": 1}))
+    assert Admission(rd, "rollout-0", limit=16, max_age_s=600).try_claim(16, backlog_groups=0)
+
+
+def test_a_restarted_worker_drops_its_own_old_claim(tmp_path: Path) -> None:
+    rd = RunDir.create(tmp_path / "run")
+    assert Admission(rd, "rollout-0", limit=16).try_claim(16, backlog_groups=0)  # then killed while generating
+    restarted = Admission(rd, "rollout-0", limit=16)
+    assert not rd.claim_file("rollout-0").exists()
+    assert restarted.try_claim(16, backlog_groups=0)
