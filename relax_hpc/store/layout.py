@@ -187,12 +187,7 @@ def read_position(path: Path, consumer: str) -> dict[str, Any] | None:
         data = read_json(path, default=None)
     except (OSError, ValueError) as exc:
         raise StoreError(f"cannot read position file {path}: {exc}") from None
-    if data is None:
-        return None
-    try:
-        return check_position(data, consumer)
-    except StoreError as exc:
-        raise StoreError(f"{path}: {exc}") from None
+    return _checked_position(data, consumer, path)
 
 
 def read_planned(path: Path, consumer: str) -> dict[str, Any] | None:
@@ -204,6 +199,10 @@ def read_planned(path: Path, consumer: str) -> dict[str, Any] | None:
         return None
     if isinstance(data, dict) and "position_after" in data:
         data = data["position_after"]
+    return _checked_position(data, consumer, path)
+
+
+def _checked_position(data: Any, consumer: str, path: Path) -> dict[str, Any] | None:
     if data is None:
         return None
     try:
