@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h5py
@@ -217,19 +217,29 @@ def test_bit_flips_and_truncation_are_detected(rd: RunDir) -> None:
     assert len(read_shard(clean)) == 12
 
 
-def test_random_damage_never_returns_wrong_data(rd: RunDir) -> None:
-    rng = np.random.default_rng(4)
+def _clean_shard(rd: RunDir, rng: np.random.Generator) -> tuple[Path, list[Sample]]:
+    """A small text shard (3 groups of 2 samples) and what reading it gives."""
     groups = [SampleGroup(f"g{g}", [text_sample(rng, f"{g}-{i}") for i in range(2)]) for g in range(3)]
     clean = ShardWriter(rd).write(groups).path
+    return clean, read_shard(clean)
+
+
+def _bit_flipped_copies(rng: np.random.Generator, clean: Path, n: int, prefix: str) -> Iterator[Path]:
+    """``n`` copies of ``clean`` beside it, each with one random bit flipped."""
     data = clean.read_bytes()
-    expected = read_shard(clean)
-    detected = 0
-    for trial in range(60):
+    for trial in range(n):
         damaged = bytearray(data)
-        pos = int(rng.integers(0, len(data)))
-        damaged[pos] ^= 1 << int(rng.integers(0, 8))
-        path = clean.with_name(f"d{trial}.h5")
+        damaged[int(rng.integers(0, len(data)))] ^= 1 << int(rng.integers(0, 8))
+        path = clean.with_name(f"{prefix}{trial}.h5")
         path.write_bytes(bytes(damaged))
+        yield path
+
+
+def test_random_damage_never_returns_wrong_data(rd: RunDir) -> None:
+    rng = np.random.default_rng(4)
+    clean, expected = _clean_shard(rd, rng)
+    detected = 0
+    for path in _bit_flipped_copies(rng, clean, 60, "d"):
         try:
             got = read_shard(path)
         except CorruptShardError:
@@ -321,16 +331,9 @@ def test_in_memory_read_leaves_other_files_to_the_library(rd: RunDir) -> None:
 
 def test_random_damage_never_returns_wrong_data_in_memory(rd: RunDir) -> None:
     rng = np.random.default_rng(9)
-    groups = [SampleGroup(f"g{g}", [text_sample(rng, f"{g}-{i}") for i in range(2)]) for g in range(3)]
-    clean = ShardWriter(rd).write(groups).path
-    data = clean.read_bytes()
-    expected = read_shard(clean)
+    clean, expected = _clean_shard(rd, rng)
     found = 0
-    for trial in range(200):
-        damaged = bytearray(data)
-        damaged[int(rng.integers(0, len(data)))] ^= 1 << int(rng.integers(0, 8))
-        path = clean.with_name(f"m{trial}.h5")
-        path.write_bytes(bytes(damaged))
+    for path in _bit_flipped_copies(rng, clean, 200, "m"):
         loaded = load_small(path, 1 << 30)
         if loaded is None:  # left to the library
             found += 1

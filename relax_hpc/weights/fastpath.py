@@ -57,19 +57,13 @@ class PackedWeights:
         self._views: dict[str, Any] | None = None
         self.signature = state_signature(state_dict, bucket_bytes)
         self.names = bucket_names(state_dict, bucket_bytes)
-        self.buckets: list[torch.Tensor] = []
-        with torch.no_grad():
-            for names in self.names:
-                tensors = [state_dict[n] for n in names]
-                flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8,
-                                   device=device)
-                if pack:
-                    off = 0
-                    for t in tensors:
-                        n = t.numel() * t.element_size()
-                        flat[off:off + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
-                        off += n
-                self.buckets.append(flat)
+        self.buckets: list[torch.Tensor] = [
+            torch.empty(sum(state_dict[n].numel() * state_dict[n].element_size() for n in names), dtype=torch.uint8,
+                        device=device)
+            for names in self.names]
+        if pack:
+            views = self.views()
+            _copy([views[n] for n in views], [state_dict[n] for n in views])
 
     def views(self) -> dict[str, Any]:
         """The packed weights as a state dict of views into the buckets (no copy; the buckets never change)."""
@@ -85,20 +79,23 @@ class PackedWeights:
         return self._views
 
     def unpack(self) -> None:
-        """Copy the buckets into the tensors of the state dict this was made from (in place, one foreach copy)."""
-        import torch
-
+        """Copy the buckets into the tensors of the state dict this was made from (in place)."""
         views = self.views()
-        names = list(views)
-        dst, src = [self.state_dict[n] for n in names], [views[n] for n in names]
-        with torch.no_grad():
-            if all(d.device == s.device for d, s in zip(dst, src)):
-                torch._foreach_copy_(dst, src)
-            else:  # host buffers into GPU weights (fast_path: gloo)
-                for d, s in zip(dst, src):
-                    d.copy_(s, non_blocking=True)
-                if any(d.is_cuda for d in dst):
-                    torch.cuda.current_stream().synchronize()
+        _copy([self.state_dict[n] for n in views], [views[n] for n in views])
+
+
+def _copy(dst: list[Any], src: list[Any]) -> None:
+    """``dst[i].copy_(src[i])`` for all i: one foreach copy on one device, else (host <-> GPU) one by one."""
+    import torch
+
+    with torch.no_grad():
+        if all(d.device == s.device for d, s in zip(dst, src)):
+            torch._foreach_copy_(dst, src)
+            return
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+        if any(t.is_cuda for t in (*dst, *src)):
+            torch.cuda.current_stream().synchronize()
 
 
 NOTHING_NEWER, MISMATCH = -1, -2
@@ -248,6 +245,7 @@ class FastPathClient:
         self.bucket_bytes = bucket_bytes
         self._recv: PackedWeights | None = None
         self._taken = -1  # gloo: the newest version received over the current link
+        self._latest_known = False  # gloo: whether the link's LATEST_KEY exists yet
         self._target: Any = None  # what the receive buffers unpack into: its tensors and where they lived
         self._tensors: list[Any] = []
         self._ptrs: list[int] = []
@@ -324,7 +322,8 @@ class FastPathClient:
             return newest
         deadline = time.monotonic() + catch_up_s
         while time.monotonic() < deadline:
-            latest = g.get_key(LATEST_KEY)
+            latest = g.get_key(LATEST_KEY, known=self._latest_known)
+            self._latest_known = latest is not None  # once set, the key stays: skip the existence check
             if latest is None or int(latest) <= self._taken:
                 break
             got = self._take_announced(g, newest)
@@ -371,6 +370,7 @@ class FastPathClient:
 
     def close(self) -> None:
         self._taken = -1
+        self._latest_known = False
         if self._group is not None:
             self._group.close()
             self._group = None
