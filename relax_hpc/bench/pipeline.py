@@ -138,13 +138,13 @@ def run_mode(recipe: Path, overrides: list[str], root: Path, *, timeout_s: float
 
 
 # ------------------------------------------------------------------------------------------------ figures
-def _num(m: dict[str, Any], key: str) -> float:
+def metric_value(m: dict[str, Any], key: str) -> float:
     v = m.get(key, 0.0)
     return float(v) if isinstance(v, (int, float)) else float("nan")
 
 
 def _sum(records: list[dict[str, Any]], key: str) -> float:
-    return sum(_num(r["metrics"], key) for r in records)
+    return sum(metric_value(r["metrics"], key) for r in records)
 
 
 def _fraction(x: float) -> float:
@@ -189,7 +189,7 @@ def timed_window(run: ModeRun, num_steps: int) -> Window:
 
 def final_reward(run: ModeRun, last: int) -> tuple[float, float]:
     """Mean ``rollout/reward`` of the last ``last`` steps and its standard error (over steps)."""
-    vals = [_num(r["metrics"], "rollout/reward") for r in run.steps[-last:]]
+    vals = [metric_value(r["metrics"], "rollout/reward") for r in run.steps[-last:]]
     vals = [v for v in vals if math.isfinite(v)]
     if not vals:
         return float("nan"), float("nan")
@@ -225,7 +225,7 @@ def clip_cycles(records: list[dict[str, Any]], w: Window) -> list[tuple[float, d
     for r in sorted((r for r in records if "rollout/generate_time" in r["metrics"]), key=lambda r: float(r["time"])):
         end = float(r["time"])
         m = r["metrics"]
-        begin = prev if prev is not None else end - sum(_num(m, k) for k in (*ROLLOUT_PHASES.values(),
+        begin = prev if prev is not None else end - sum(metric_value(m, k) for k in (*ROLLOUT_PHASES.values(),
                                                                               "perf/rollout_pause_time"))
         prev = end
         overlap = min(end, w.end) - max(begin, w.start)
@@ -243,8 +243,8 @@ def summarize_async(run: ModeRun, w: Window) -> dict[str, Any]:
                "between_steps": w.seconds / n - step_time}
     trainer_busy = sum(tr.values()) * n / w.seconds
     inside = clip_cycles(run.rollout, w)
-    ro = {name: sum(f * _num(r["metrics"], key) for f, r in inside) / n for name, key in ROLLOUT_PHASES.items()}
-    pause = sum(f * _num(r["metrics"], "perf/rollout_pause_time") for f, r in inside) / n
+    ro = {name: sum(f * metric_value(r["metrics"], key) for f, r in inside) / n for name, key in ROLLOUT_PHASES.items()}
+    pause = sum(f * metric_value(r["metrics"], "perf/rollout_pause_time") for f, r in inside) / n
     rollout = {"pause": pause, **ro, "other": w.seconds / n - pause - sum(ro.values())}
     rollout_busy = sum(ro.values()) * n / w.seconds
     return {
@@ -255,8 +255,8 @@ def summarize_async(run: ModeRun, w: Window) -> dict[str, Any]:
         "rollout_pause_fraction": _fraction(pause * n / w.seconds),
         "staleness_mean": _sum(w.steps, "rollout/staleness_mean") / n,
         "stale_dropped": _sum(w.steps, "rollout/stale_dropped"),
-        "fast_path_fraction": (sum(_num(r["metrics"], "weights/fast_path_used") for _, r in inside) / len(inside)
-                               if inside else 0.0),
+        "fast_path_fraction": (sum(metric_value(r["metrics"], "weights/fast_path_used") for _, r in inside)
+                               / len(inside) if inside else 0.0),
         "rollout_batches": sum(f for f, _ in inside),
         "breakdown": {"trainer": trainer, "rollout": rollout},
     }
@@ -543,12 +543,12 @@ def disturbed(runs: dict[str, ModeRun], num_steps: int) -> list[str]:
     return out
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """JSON has no NaN: a figure that could not be computed (a standard error of one step) becomes null."""
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
@@ -597,7 +597,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.alone:
         return _alone_main(a)
-    signal.signal(signal.SIGTERM, _interrupt)  # stop our role processes and clean up, as on Ctrl-C
+    signal.signal(signal.SIGTERM, interrupt)  # stop our role processes and clean up, as on Ctrl-C
     recipe = Path(a.recipe)
     if not recipe.is_file():
         print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(d, ignore_errors=True)
             if made:
                 shutil.rmtree(out, ignore_errors=True)
-    res = _finite(res)
+    res = finite(res)
     if a.keep:
         res["run_dirs"] = {k: str(v) for k, v in dirs.items()}
         (out / "result.json").write_text(json.dumps(res, indent=1, allow_nan=False))

@@ -11,6 +11,7 @@ BENCHES = {
     "snapshots": "weight snapshot publish/load vs raw disk bandwidth",
     "trainer": "trainer tokens/s and padding fraction",
     "pipeline": "colocate vs fully_async on the demo recipe",
+    "learning": "colocate vs fully_async final reward over seeds",
     "monitor": "monitor refresh time on a large run",
     "slurm": "submit and status latency against a real Slurm",
 }

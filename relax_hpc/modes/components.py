@@ -72,7 +72,7 @@ def build_engine(cfg: RecipeConfig, policy: Policy, *, seed: int = 0) -> Any:
 
     return make_engine(cfg.rollout.engine, model=policy.model, tokenizer=policy.tokenizer,
                        sampling=cfg.rollout.sampling, device=policy.device, batch_prompts=cfg.rollout.batch_prompts,
-                       seed=seed)
+                       seed=seed, decoder=cfg.rollout.hf_decoder)
 
 
 def build_algorithm(cfg: RecipeConfig) -> Any:

@@ -1,0 +1,171 @@
+"""``relax-hpc bench learning``: colocate vs fully_async final reward on the demo recipe, over several seeds.
+
+Runs the recipe (default ``recipes/demo.yaml``, its own ``num_steps``) once per mode and seed, one run at a time, as
+the demo runs it (local processes, no pinning: colocate is one process on every core, fully_async a trainer and the
+recipe's rollout workers). For each run: the mean ``rollout/reward`` of the last ``--last`` steps and of the 10
+steps ending at ``--mid`` (the middle of the curve), the median step time and the stale samples dropped per step.
+Per mode: the mean over seeds and its standard error; then the difference of the two modes, the standard error of
+the difference, and ``same_within_noise`` = the difference is within two of those standard errors. The seeds are
+the recipe's ``seed`` (the data order, the initial weights and the warm-up); the rollout workers of fully_async
+also seed their sampling from the clock, so no two fully_async runs are alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.bench.pipeline import DEMO_RECIPE, ModeRun, finite, interrupt, metric_value, run_mode
+
+MODES = ("colocate", "fully_async")
+
+
+def run_figures(run: ModeRun, *, last: int, mid: int) -> dict[str, Any]:
+    """One run's reward at the end and around ``mid``, its median step and its stale drops per step."""
+    by_step = {int(r["step"]): r["metrics"] for r in run.steps}
+    steps = sorted(by_step)
+    if not steps:
+        raise RuntimeError(f"{run.mode} run logged no steps (exit code {run.exit_code}); logs in {run.run_dir.logs}")
+
+    def mean_reward(window: list[int]) -> float:
+        vals = [metric_value(by_step[s], "rollout/reward") for s in window if s in by_step]
+        vals = [v for v in vals if math.isfinite(v)]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    times = [metric_value(by_step[s], "perf/step_time") for s in steps[1:]]
+    return {
+        "steps": steps[-1], "exit_code": run.exit_code,
+        "final_reward": mean_reward(steps[-last:]),
+        "mid_reward": mean_reward([s for s in steps if mid - 10 < s <= mid]),
+        "first_reward": mean_reward(steps[:10]),
+        "step_s_median": statistics.median(times) if times else float("nan"),
+        "stale_dropped_per_step": sum(metric_value(by_step[s], "rollout/stale_dropped") for s in steps)
+        / len(steps),
+    }
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    vals = [v for v in values if math.isfinite(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    mean = sum(vals) / len(vals)
+    return mean, (statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else float("nan"))
+
+
+def compare(per_run: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The per-mode means over seeds and the difference between the modes."""
+    res: dict[str, Any] = {}
+    for mode in MODES:
+        for key in ("final_reward", "mid_reward"):
+            m, se = mean_se([r[key] for r in per_run[mode]])
+            res[f"{key}_{mode}"], res[f"{key}_stderr_{mode}"] = m, se
+        res[f"step_s_median_{mode}"] = statistics.median(r["step_s_median"] for r in per_run[mode])
+    diff = res["final_reward_fully_async"] - res["final_reward_colocate"]
+    se_diff = math.hypot(res["final_reward_stderr_colocate"], res["final_reward_stderr_fully_async"])
+    res["final_reward_difference"] = diff
+    res["final_reward_difference_stderr"] = se_diff
+    res["same_within_noise"] = abs(diff) <= 2 * se_diff if math.isfinite(se_diff) else None
+    return res
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="relax-hpc bench learning", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--recipe", default=str(DEMO_RECIPE), help="recipe (default: recipes/demo.yaml)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated recipe seeds (default: 0,1,2)")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps of each run (default: the recipe's)")
+    p.add_argument("--last", type=int, default=50, help="final reward = mean over the last LAST steps")
+    p.add_argument("--mid", type=int, default=None, help="step of the mid-curve reward (default: 3/8 of the steps)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field in every run (repeatable)")
+    p.add_argument("--out", default=None, help="folder for the run dirs (default: a new temporary folder)")
+    p.add_argument("--keep", action="store_true", help="keep the run dirs (and write result.json beside them)")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="limit for each run")
+    a = p.parse_args(argv)
+    try:
+        a.seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds takes comma-separated integers, got {a.seeds!r}")
+    if not a.seeds or a.last < 1 or (a.steps is not None and a.steps < 2):
+        p.error("give at least one seed, --last >= 1 and --steps >= 2")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    from relax_hpc.config.load import load_recipe
+    from relax_hpc.errors import ConfigError, RelaxError, UserError
+
+    a = parse_args(argv)
+    signal.signal(signal.SIGTERM, interrupt)
+    recipe = Path(a.recipe)
+    if not recipe.is_file():
+        print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
+        return 2
+    common = ([f"num_steps={a.steps}"] if a.steps else []) + a.overrides
+    made = a.out is None
+    out = Path(tempfile.mkdtemp(prefix="relax-bench-learning-")) if made else Path(a.out)
+    per_run: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    res: dict[str, Any] = {"benchmark": "learning", "recipe": str(recipe), "overrides": common, "seeds": a.seeds}
+    created: list[Path] = []
+    try:
+        num_steps = load_recipe(recipe, common).num_steps
+        mid = a.mid or max(1, num_steps * 3 // 8)
+        res.update({"num_steps": num_steps, "last": a.last, "mid": mid})
+        for seed in a.seeds:
+            for mode in MODES:
+                d = out / f"{mode}-seed{seed}"
+                created.append(d)
+                run = run_mode(recipe, [*common, f"mode={mode}", f"seed={seed}"], d, timeout_s=a.timeout_s)
+                per_run[mode].append({"seed": seed, **run_figures(run, last=a.last, mid=mid)})
+        res["runs"] = per_run
+        res.update(compare(per_run))
+    except (ConfigError, UserError) as exc:
+        for line in getattr(exc, "problems", None) or [str(exc)]:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except (RelaxError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if not a.keep:
+            for d in created:
+                shutil.rmtree(d, ignore_errors=True)
+            if made:
+                shutil.rmtree(out, ignore_errors=True)
+    res = finite(res)
+    if a.keep:
+        (out / "result.json").write_text(json.dumps(res, indent=1, allow_nan=False))
+    if a.json:
+        print(json.dumps(res, indent=1, allow_nan=False))
+    else:
+        print_text(res)
+    return 0
+
+
+def print_text(res: dict[str, Any]) -> None:
+    print(f"{res['recipe']}: {res['num_steps']} steps per run, final reward = mean of the last {res['last']} steps")
+    print(f"{'mode':12s} {'seed':>4s} {'first 10':>9s} {'mid':>6s} {'final':>6s} {'step s':>7s} {'stale/step':>10s}")
+    for mode in MODES:
+        for r in res["runs"][mode]:
+            print(f"{mode:12s} {r['seed']:4d} {r['first_reward']:9.3f} {r['mid_reward']:6.3f} {r['final_reward']:6.3f} "
+                  f"{r['step_s_median']:7.3f} {r['stale_dropped_per_step']:10.1f}")
+    for mode in MODES:
+        print(f"{mode:12s} final {res[f'final_reward_{mode}']:.3f} +- {res[f'final_reward_stderr_{mode}']:.3f}, "
+              f"mid {res[f'mid_reward_{mode}']:.3f} (mean +- s.e. over seeds)")
+    print(f"difference fully_async - colocate: {res['final_reward_difference']:+.3f} "
+          f"+- {res['final_reward_difference_stderr']:.3f}; same within noise (2 s.e.): {res['same_within_noise']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
