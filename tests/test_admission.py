@@ -15,29 +15,45 @@ def test_claims_share_the_room_between_workers(tmp_path: Path) -> None:
     rd = RunDir.create(tmp_path / "run")
     a = Admission(rd, "rollout-0", limit=16)
     b = Admission(rd, "rollout-1", limit=16)
-    assert a.try_claim(16, backlog_groups=0)  # room for one batch: the first worker takes it
-    assert a.try_claim(16, backlog_groups=0)  # held: asking again does not claim twice
-    assert not b.try_claim(16, backlog_groups=0)  # the other worker's batch would be consumed a version later
+    assert a.try_claim(16, backlog_groups=lambda: 0)  # room for one batch: the first worker takes it
+    assert a.try_claim(16, backlog_groups=lambda: 0)  # held: asking again does not claim twice
+    assert not b.try_claim(16, backlog_groups=lambda: 0)  # the other worker's batch would be consumed a version later
     a.release()  # published: now its groups are in the backlog
-    assert not b.try_claim(16, backlog_groups=16)
-    assert b.try_claim(16, backlog_groups=0)  # the trainer planned them
-    assert not a.try_claim(8, backlog_groups=0)
+    assert not b.try_claim(16, backlog_groups=lambda: 16)
+    assert b.try_claim(16, backlog_groups=lambda: 0)  # the trainer planned them
+    assert not a.try_claim(8, backlog_groups=lambda: 0)
     b.release()
     # smaller batches fill the room together
-    assert a.try_claim(8, backlog_groups=0) and b.try_claim(8, backlog_groups=0)
-    assert not Admission(rd, "rollout-2", limit=16).try_claim(8, backlog_groups=0)
+    assert a.try_claim(8, backlog_groups=lambda: 0) and b.try_claim(8, backlog_groups=lambda: 0)
+    assert not Admission(rd, "rollout-2", limit=16).try_claim(8, backlog_groups=lambda: 0)
 
 
 def test_a_dead_workers_old_claim_is_ignored(tmp_path: Path) -> None:
     rd = RunDir.create(tmp_path / "run")
     rd.claims.mkdir(parents=True, exist_ok=True)
     rd.claim_file("rollout-7").write_text(json.dumps({"groups": 16, "time": time.time() - 3600, "pid": 1}))
-    assert Admission(rd, "rollout-0", limit=16, max_age_s=600).try_claim(16, backlog_groups=0)
+    assert Admission(rd, "rollout-0", limit=16, max_age_s=600).try_claim(16, backlog_groups=lambda: 0)
 
 
 def test_a_restarted_worker_drops_its_own_old_claim(tmp_path: Path) -> None:
     rd = RunDir.create(tmp_path / "run")
-    assert Admission(rd, "rollout-0", limit=16).try_claim(16, backlog_groups=0)  # then killed while generating
+    assert Admission(rd, "rollout-0", limit=16).try_claim(16, backlog_groups=lambda: 0)  # then killed while generating
     restarted = Admission(rd, "rollout-0", limit=16)
     assert not rd.claim_file("rollout-0").exists()
-    assert restarted.try_claim(16, backlog_groups=0)
+    assert restarted.try_claim(16, backlog_groups=lambda: 0)
+
+
+def test_a_shard_published_while_the_store_is_listed_is_counted(tmp_path: Path) -> None:
+    """Worker 0 publishes its shard and drops its claim just after worker 1's listing of the store missed the shard.
+    The claims are read before the listing, so worker 1 still counts worker 0's batch (as its claim) and waits."""
+    rd = RunDir.create(tmp_path / "run")
+    a = Admission(rd, "rollout-0", limit=16)
+    b = Admission(rd, "rollout-1", limit=16)
+    assert a.try_claim(16, backlog_groups=lambda: 0)
+
+    def listing_then_publish() -> int:
+        seen = 0  # the listing ran before worker 0's shard appeared...
+        a.release()  # ...which is published now, and its claim dropped
+        return seen
+    assert not b.try_claim(16, backlog_groups=listing_then_publish)
+    assert not b.held and not rd.claim_file("rollout-1").exists()

@@ -76,7 +76,8 @@ def test_fully_async_reward_rises_and_staleness_is_bounded(tmp_path: Path) -> No
 @pytest.mark.integration
 def test_rollout_worker_killed_run_goes_on_and_restart_rejoins_latest(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    pids = _start(run, "--set", "num_steps=200", "--set", "warmup.steps=2", "--set", "monitor.dead_after_s=3")
+    # long enough that the restarted worker (a new Python process) joins while the trainer still trains
+    pids = _start(run, "--set", "num_steps=400", "--set", "warmup.steps=2", "--set", "monitor.dead_after_s=3")
     _wait_steps(run, 5)
     os.kill(pids["rollout-1"], signal.SIGKILL)
     _wait_exit(pids["rollout-1"])

@@ -150,7 +150,7 @@ def test_demo_hetjob(submitted: list[RunDir], tmp_path: Path) -> None:
 
 
 def test_demo_separate_scaled_up_and_down_mid_run(submitted: list[RunDir], tmp_path: Path) -> None:
-    steps = 80
+    steps = 300  # long enough that the trainer still trains after the new workers started and were drained
     rd = submit(tmp_path / "sep", "mode=fully_async", "launch.placement=separate", f"num_steps={steps}",
                 "rollout.num_workers=1", runs=submitted)
     assert [j["kind"] for j in read_launch_record(rd)["jobs"]] == ["trainer", "rollout_array"]

@@ -2,12 +2,13 @@
 
 A batch started now is consumed after everything ahead of it: the groups in the store not yet planned (the backlog)
 and the groups other workers are generating. A worker may start a batch of ``groups`` groups only while
-``backlog + claimed by others + groups <= limit`` (``limit = max(max_staleness, 1) x prompts_per_step``). Before it
-generates, a worker writes its claim, ``claims/<proc>.json`` = ``{"groups", "time", "pid"}``; it removes the claim
-once the batch's shard is published (so the groups are then counted once, in the backlog, or twice for a moment:
-never zero times). Check and claim happen under a best-effort lock (``claims/.lock``), so two workers do not both
-take the last room; where file locks do not work the rule still holds approximately (a few stale groups, dropped
-and counted by the trainer). A claim older than ``max_age_s`` (a worker killed while generating) is ignored.
+``claimed by others + backlog + groups <= limit`` (``limit = max(max_staleness, 1) x prompts_per_step``), the
+claims read before the store is listed. Before it generates, a worker writes its claim, ``claims/<proc>.json`` =
+``{"groups", "time", "pid"}``; it removes the claim once the batch's shard is published (so, read in that order, the
+groups are counted once, in the backlog, or twice for a moment: never zero times). Check and claim happen under a
+best-effort lock (``claims/.lock``), so two workers do not both take the last room; where file locks do not work
+the rule still holds approximately (a few stale groups, dropped and counted by the trainer). A claim older than
+``max_age_s`` (a worker killed while generating) is ignored.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 
 from relax_hpc.fsio import atomic_write_json, optional_lock, read_json
 from relax_hpc.rundir import RunDir
@@ -50,12 +52,19 @@ class Admission:
                     total += int(claim.get("groups", 0))
         return total
 
-    def try_claim(self, groups: int, backlog_groups: int) -> bool:
-        """Claim room for a batch of ``groups`` groups if there is room now; True if claimed (or already held)."""
+    def try_claim(self, groups: int, backlog_groups: Callable[[], int]) -> bool:
+        """Claim room for a batch of ``groups`` groups if there is room now; True if claimed (or already held).
+
+        ``backlog_groups`` lists the store; it is called under the lock *after* the claims are read. A worker
+        publishes its shard and then drops its claim, so in this order a batch is counted at least once; listing
+        the store first could miss a shard published just after and then also miss its claim, dropped by then.
+        """
         if self.held:
             return True
         with optional_lock(self.run_dir.claims / ".lock", timeout_s=5.0):
-            if backlog_groups + self.claimed_by_others() + groups > max(self.limit, groups):
+            ahead = self.claimed_by_others()
+            ahead += backlog_groups()
+            if ahead + groups > max(self.limit, groups):
                 return False
             atomic_write_json(self.path, {"groups": groups, "time": time.time(), "pid": os.getpid()}, fsync=False,
                               indent=None)

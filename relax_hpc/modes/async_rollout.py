@@ -72,6 +72,9 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
     limit = max(cfg.max_staleness, 1) * P
     admission = Admission(run_dir, proc, limit=limit, max_age_s=max(600.0, 4 * cfg.monitor.dead_after_s))
     watch = files_watch(run_dir.consumer_planned("trainer"), run_dir.weights_latest, run_dir.claims)
+
+    def store_backlog() -> int:
+        return backlog(run_dir).groups
     hb.beat(state="running", force=True)
     counter = 0
     pause_total = 0.0
@@ -96,7 +99,7 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
         # The trainer frees room once per step: react within a millisecond (for the first second of a pause; then
         # every 20 ms). A poll is a few stats; the backlog, the claims and LATEST are read again only when the
         # planned position, the claims folder or LATEST changed (or every 50 ms).
-        room = admission.try_claim(cfg.rollout.batch_prompts, backlog(run_dir).groups)
+        room = admission.try_claim(cfg.rollout.batch_prompts, store_backlog)
         while not room and not (finished() or stop.is_set):
             if not paused and time.perf_counter() - t0 > 0.5:  # the monitor shows pauses, not each step's wait
                 hb.beat(state="paused")
@@ -106,7 +109,7 @@ def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> 
                 newest = latest_version(run_dir)
                 if newest is not None and newest != seen:
                     break  # new weights while paused: reload before generating
-                room = admission.try_claim(cfg.rollout.batch_prompts, backlog(run_dir).groups)
+                room = admission.try_claim(cfg.rollout.batch_prompts, store_backlog)
         pause = time.perf_counter() - t0
         pause_total += pause
         if paused:
