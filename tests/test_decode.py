@@ -4,11 +4,13 @@ padding handled alike; and the engine picks ``generate`` where the loop does not
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from runutil import cli
 
 from relax_hpc.config.schema import SamplingConfig
 from relax_hpc.rollout.decode import loop_supported, sample
@@ -130,3 +132,17 @@ def test_engine_uses_generate_where_the_loop_does_not_apply(model: torch.nn.Modu
     with pytest.raises(RuntimeError, match="generate called"):
         stop.generate(prompts(), 2)
     assert calls and stop._loop is True  # the model supports the loop, but stop strings go to generate
+
+
+def test_bench_generate_json() -> None:
+    r = cli("bench", "generate", "--json", "--batches", "3", "--warmup", "1", "--set", "rollout.batch_prompts=4",
+            "--set", "rollout.n_samples=2", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    assert res["loop_used"] is True and res["batches"] == 3 and res["device"] == "cpu"
+    assert res["speedup"] == pytest.approx(res["generate_ms_median"] / res["loop_ms_median"])
+    for name in ("loop", "generate"):
+        assert 0 < res[f"{name}_ms_min"] <= res[f"{name}_ms_median"]
+        assert 1 <= res[f"{name}_response_tokens_mean"] <= 8  # the demo's max_new_tokens
+    bad = cli("bench", "generate", "--set", "rollout.n_samples=0", timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr

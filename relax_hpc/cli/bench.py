@@ -12,6 +12,7 @@ BENCHES = {
     "trainer": "trainer tokens/s and padding fraction",
     "pipeline": "colocate vs fully_async on the demo recipe",
     "learning": "colocate vs fully_async final reward over seeds",
+    "generate": "the hf engine's sampling loop vs transformers generate",
     "monitor": "monitor refresh time on a large run",
     "slurm": "submit and status latency against a real Slurm",
 }
