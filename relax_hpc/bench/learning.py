@@ -13,17 +13,23 @@ also seed their sampling from the clock, so no two fully_async runs are alike.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.bench.pipeline import DEMO_RECIPE, ModeRun, finite, interrupt, metric_value, run_mode
+from relax_hpc.bench.pipeline import (
+    DEMO_RECIPE,
+    ModeRun,
+    ScratchDirs,
+    interrupt,
+    metric_value,
+    report,
+    run_guarded,
+    run_mode,
+)
 
 MODES = ("colocate", "fully_async")
 
@@ -101,7 +107,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from relax_hpc.config.load import load_recipe
-    from relax_hpc.errors import ConfigError, RelaxError, UserError
 
     a = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupt)
@@ -110,47 +115,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
         return 2
     common = ([f"num_steps={a.steps}"] if a.steps else []) + a.overrides
-    made = a.out is None
-    out = Path(tempfile.mkdtemp(prefix="relax-bench-learning-")) if made else Path(a.out)
-    per_run: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    res: dict[str, Any] = {"benchmark": "learning", "recipe": str(recipe), "overrides": common, "seeds": a.seeds}
-    created: list[Path] = []
-    try:
+    dirs = ScratchDirs(a.out, keep=a.keep, prefix="relax-bench-learning-")
+
+    def body() -> dict[str, Any]:
         num_steps = load_recipe(recipe, common).num_steps
         mid = a.mid or max(1, num_steps * 3 // 8)
-        res.update({"num_steps": num_steps, "last": a.last, "mid": mid})
+        res: dict[str, Any] = {"benchmark": "learning", "recipe": str(recipe), "overrides": common, "seeds": a.seeds,
+                               "num_steps": num_steps, "last": a.last, "mid": mid}
+        per_run: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
         for seed in a.seeds:
             for mode in MODES:
-                d = out / f"{mode}-seed{seed}"
-                created.append(d)
-                run = run_mode(recipe, [*common, f"mode={mode}", f"seed={seed}"], d, timeout_s=a.timeout_s)
+                run = run_mode(recipe, [*common, f"mode={mode}", f"seed={seed}"], dirs.new(f"{mode}-seed{seed}"),
+                               timeout_s=a.timeout_s)
                 per_run[mode].append({"seed": seed, **run_figures(run, last=a.last, mid=mid)})
-        res["runs"] = per_run
-        res.update(compare(per_run))
-    except (ConfigError, UserError) as exc:
-        for line in getattr(exc, "problems", None) or [str(exc)]:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    except (RelaxError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        if not a.keep:
-            for d in created:
-                shutil.rmtree(d, ignore_errors=True)
-            if made:
-                shutil.rmtree(out, ignore_errors=True)
-    res = finite(res)
-    if a.keep:
-        (out / "result.json").write_text(json.dumps(res, indent=1, allow_nan=False))
-    if a.json:
-        print(json.dumps(res, indent=1, allow_nan=False))
-    else:
-        print_text(res)
-    return 0
+        return {**res, "runs": per_run, **compare(per_run)}
+
+    res = run_guarded(body, dirs)
+    if isinstance(res, int):
+        return res
+    return report(res, dirs, as_json=a.json, text=print_text)
 
 
 def print_text(res: dict[str, Any]) -> None:

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -569,6 +570,63 @@ def print_text(res: dict[str, Any]) -> None:
         print(f"warning: {w}")
 
 
+class ScratchDirs:
+    """The run dirs of a benchmark under ``--out`` (default: a new temporary folder), removed at the end unless
+    ``--keep``; ``report`` then writes ``result.json`` beside them."""
+
+    def __init__(self, out: str | None, *, keep: bool, prefix: str):
+        self.made = out is None
+        self.root = Path(tempfile.mkdtemp(prefix=prefix)) if out is None else Path(out)
+        self.keep = keep
+        self.created: list[Path] = []
+
+    def new(self, name: str) -> Path:
+        path = self.root / name
+        self.created.append(path)
+        return path
+
+    def clean(self) -> None:
+        if self.keep:
+            return
+        for d in self.created:
+            shutil.rmtree(d, ignore_errors=True)
+        if self.made:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def run_guarded(body: Callable[[], dict[str, Any]], dirs: ScratchDirs) -> dict[str, Any] | int:
+    """Run a benchmark's body: its result, or an exit code after one error line (2 bad input, 1 failure, 130
+    interrupted); the scratch dirs are cleaned up either way."""
+    from relax_hpc.errors import ConfigError, RelaxError, UserError
+
+    try:
+        return body()
+    except (ConfigError, UserError) as exc:
+        for line in getattr(exc, "problems", None) or [str(exc)]:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except (RelaxError, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        dirs.clean()
+
+
+def report(res: dict[str, Any], dirs: ScratchDirs, *, as_json: bool, text: Callable[[dict[str, Any]], None]) -> int:
+    """Print the result (JSON or text) and, with ``--keep``, write it to ``result.json`` beside the run dirs."""
+    res = finite(res)
+    if dirs.keep:
+        (dirs.root / "result.json").write_text(json.dumps(res, indent=1, allow_nan=False))
+    if as_json:
+        print(json.dumps(res, indent=1, allow_nan=False))
+    else:
+        text(res)
+    return 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="relax-hpc bench pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -609,8 +667,6 @@ def _alone_main(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from relax_hpc.errors import ConfigError, RelaxError, UserError
-
     a = parse_args(argv)
     if a.alone:
         return _alone_main(a)
@@ -633,23 +689,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda":  # both roles share one GPU: NCCL refuses two ranks on one device, gloo goes via the host
         common.append("weights.fast_path=gloo")
     common += a.overrides
-    made = a.out is None
-    out = Path(tempfile.mkdtemp(prefix="relax-bench-pipeline-")) if made else Path(a.out)
-    res: dict[str, Any] = {"benchmark": "pipeline", "recipe": str(recipe), "overrides": common,
-                           "machine": machine(), "cores": cores,
-                           "layout": {"colocate": f"1 process on cpus {cores}, 2 threads",
-                                      "fully_async": f"trainer on cpu {cores[0]}, 1 rollout worker on cpu {cores[1]}, "
-                                                     "1 thread each"},
-                           "load_average_before": list(os.getloadavg())}
-    dirs = {"colocate": out / "colocate", "fully_async": out / "fully_async", "alone": out / "alone"}
-    created: list[Path] = []
-    try:
-        runs = {}
-        for mode in ("colocate", "fully_async"):
-            created.append(dirs[mode])
-            runs[mode] = run_mode(recipe, common + layout_overrides(mode, cores), dirs[mode], timeout_s=a.timeout_s)
-        created.append(dirs["alone"])
-        scratch = RunDir.create(dirs["alone"], name="bench-alone")
+    dirs = ScratchDirs(a.out, keep=a.keep, prefix="relax-bench-pipeline-")
+
+    def body() -> dict[str, Any]:
+        res: dict[str, Any] = {
+            "benchmark": "pipeline", "recipe": str(recipe), "overrides": common, "machine": machine(), "cores": cores,
+            "layout": {"colocate": f"1 process on cpus {cores}, 2 threads",
+                       "fully_async": f"trainer on cpu {cores[0]}, 1 rollout worker on cpu {cores[1]}, 1 thread each"},
+            "load_average_before": list(os.getloadavg())}
+        runs = {mode: run_mode(recipe, common + layout_overrides(mode, cores), dirs.new(mode), timeout_s=a.timeout_s)
+                for mode in ("colocate", "fully_async")}
+        scratch = RunDir.create(dirs.new("alone"), name="bench-alone")
         roles = measure_roles(runs["fully_async"].run_dir, scratch, gen_cpus=[cores[1]], train_cpus=[cores[0]],
                               iters=a.alone_iters, warmup=3, timeout_s=a.timeout_s)
         res.update(compute(runs["colocate"], runs["fully_async"], roles, num_steps=a.steps))
@@ -657,31 +707,14 @@ def main(argv: list[str] | None = None) -> int:
         res["warnings"] = [f"{m}: the trainer side exited with code {r.exit_code} after logging every step"
                            + ("" if r.finished else " (no 'finished' event)")
                            for m, r in runs.items() if r.exit_code != 0] + disturbed(runs, a.steps)
-    except (ConfigError, UserError) as exc:
-        for line in getattr(exc, "problems", None) or [str(exc)]:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    except (RelaxError, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        if not a.keep:
-            for d in created:
-                shutil.rmtree(d, ignore_errors=True)
-            if made:
-                shutil.rmtree(out, ignore_errors=True)
-    res = finite(res)
-    if a.keep:
-        res["run_dirs"] = {k: str(v) for k, v in dirs.items()}
-        (out / "result.json").write_text(json.dumps(res, indent=1, allow_nan=False))
-    if a.json:
-        print(json.dumps(res, indent=1, allow_nan=False))
-    else:
-        print_text(res)
-    return 0
+        if a.keep:
+            res["run_dirs"] = {m: str(dirs.root / m) for m in ("colocate", "fully_async", "alone")}
+        return res
+
+    res = run_guarded(body, dirs)
+    if isinstance(res, int):
+        return res
+    return report(res, dirs, as_json=a.json, text=print_text)
 
 
 if __name__ == "__main__":
