@@ -95,6 +95,34 @@ def test_packed_logprobs_equal_unpacked() -> None:
             torch.testing.assert_close(logp[mb.seq_ids == s], want, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_fields_follow_their_sequence() -> None:
+    """Every per-token field lands on its own sequence's tokens, in order; the layout holds each sequence once, with
+    positions restarting at 0, and nothing else but padding."""
+    items = make_items(40, seed=3)
+    for k, it in enumerate(items):
+        it.weight = 0.5 + k
+        if k % 7 == 0:  # distillation-style per-token advantages on some items
+            it.token_advantages = np.arange(len(it.response_ids), dtype=np.float32) + 100 * k
+    for rows in (True, False):
+        for mb in pack(items, 120, rows=rows):
+            ids, pos = mb.input_ids.reshape(-1), mb.position_ids.reshape(-1)
+            for s, it in enumerate(mb.items):
+                sel = mb.seq_ids == s
+                np.testing.assert_array_equal(mb.targets[sel].numpy(), it.response_ids)
+                np.testing.assert_allclose(mb.rollout_logprobs[sel].numpy(), it.rollout_logprobs.astype(np.float32))
+                np.testing.assert_array_equal(mb.loss_mask[sel].numpy(), it.loss_mask.astype(np.float32))
+                want = it.token_advantages if it.token_advantages is not None else np.full(len(it.response_ids),
+                                                                                            it.advantage)
+                np.testing.assert_allclose(mb.advantages[sel].numpy(), np.asarray(want, dtype=np.float32))
+                assert bool((mb.weights[sel] == np.float32(it.weight)).all())
+                # the logits that predict the response sit just before each response token, in its own sequence
+                first = int(mb.logit_index[sel][0]) - (len(it.prompt_ids) - 1)
+                seq = np.concatenate([it.prompt_ids, it.response_ids])
+                np.testing.assert_array_equal(ids[first:first + len(seq)].numpy(), seq)
+                np.testing.assert_array_equal(pos[first:first + len(seq)].numpy(), np.arange(len(seq)))
+            assert int((ids != 0).sum()) <= mb.real_tokens <= ids.numel()
+
+
 def _run_update(items_parts: list[list[TrainItem]], micro_batch_tokens: int) -> dict[str, torch.Tensor]:
     from relax_hpc.algorithms.registry import get_algorithm
 

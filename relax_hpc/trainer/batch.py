@@ -87,21 +87,34 @@ def plan_packs(lengths: list[int], max_tokens: int, *, alone: set[int] | None = 
     group of its own). Indices in ``alone`` always get a group of their own."""
     alone = alone or set()
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return _first_fit(order, lengths, max_tokens, alone)
+
+
+def _first_fit(order: list[int], lengths: list[int], max_tokens: int, alone: set[int]) -> list[list[int]]:
+    """First fit over ``order`` (longest first). A group with less room than the shortest item left can take
+    nothing more: it leaves the list that is searched, so a search looks at the groups that are still open."""
     packs: list[list[int]] = []
+    open_packs: list[int] = []  # indices into packs, in creation order
     room: list[int] = []
+    shortest = min((lengths[i] for i in order if i not in alone), default=0)
     for i in order:
+        n = lengths[i]
         if i in alone:
             packs.append([i])
             room.append(-1)
             continue
-        for k, r in enumerate(room):
-            if r >= lengths[i]:
+        for pos, k in enumerate(open_packs):
+            if room[k] >= n:
                 packs[k].append(i)
-                room[k] -= lengths[i]
+                room[k] -= n
+                if room[k] < shortest:
+                    del open_packs[pos]
                 break
         else:
             packs.append([i])
-            room.append(max_tokens - lengths[i])
+            room.append(max_tokens - n)
+            if room[-1] >= shortest:
+                open_packs.append(len(packs) - 1)
     return packs
 
 
@@ -119,9 +132,12 @@ def choose_row_width(lengths: list[int], max_tokens: int, *,
         widths.append(w)
         w *= 2
     widths.append(total)
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     best: tuple[float, int, list[list[int]]] | None = None
-    for w in widths:
-        rows = plan_packs(lengths, w)
+    for w in widths:  # ascending: no layout of width w costs less than total * (1 + w / attn_scale)
+        if best is not None and total * (1.0 + w / attn_scale) >= best[0]:
+            break
+        rows = _first_fit(order, lengths, w, set())
         cost = len(rows) * w * (1.0 + w / attn_scale)
         if best is None or cost < best[0]:
             best = (cost, w, rows)
@@ -140,41 +156,52 @@ def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu", rows: bool
     else:
         width, layout = sum(lengths), [list(range(len(items)))]
     n_rows = len(layout)
-    row_of: dict[int, tuple[int, int]] = {}
+    n = len(items)
+    start = np.empty(n, dtype=np.int64)  # flat index (row * width + column) where each sequence begins
+    fill = np.zeros(n_rows, dtype=np.int64)
     for r, members in enumerate(layout):
         col = 0
         for i in members:
-            row_of[i] = (r, col)
+            start[i] = r * width + col
             col += lengths[i]
-    ids_t = np.zeros((n_rows, width), dtype=np.int64)
-    pos_t = np.zeros((n_rows, width), dtype=np.int64)
-    fill = [0] * n_rows
-    logit_index, targets, seq_ids = [], [], []
-    lp, mask, adv, w = [], [], [], []
-    for s, it in enumerate(items):
-        p, r = len(it.prompt_ids), len(it.response_ids)
-        row, col = row_of[s]
-        ids_t[row, col:col + p + r] = np.concatenate([it.prompt_ids, it.response_ids])
-        pos_t[row, col:col + p + r] = np.arange(p + r)
-        fill[row] = max(fill[row], col + p + r)
-        logit_index.append(row * width + col + p - 1 + np.arange(r, dtype=np.int64))
-        targets.append(np.asarray(it.response_ids, dtype=np.int64))
-        seq_ids.append(np.full(r, s, dtype=np.int64))
-        lp.append(np.asarray(it.rollout_logprobs, dtype=np.float32))
-        mask.append(np.asarray(it.loss_mask, dtype=np.float32))
-        adv.append(np.asarray(it.token_advantages, dtype=np.float32) if it.token_advantages is not None
-                   else np.full(r, it.advantage, dtype=np.float32))
-        w.append(np.full(r, it.weight, dtype=np.float32))
-    for row in range(n_rows):  # the unused tail of a row is its own position run (never attended to by real tokens)
-        pos_t[row, fill[row]:] = np.arange(width - fill[row])
+        fill[r] = col
+    n_prompt = np.fromiter((len(it.prompt_ids) for it in items), dtype=np.int64, count=n)
+    n_resp = np.fromiter((len(it.response_ids) for it in items), dtype=np.int64, count=n)
+    seq_len = n_prompt + n_resp
 
-    def t(parts: list[np.ndarray]) -> Any:
-        return torch.from_numpy(np.concatenate(parts)).to(device)
+    def within(counts: np.ndarray) -> np.ndarray:  # 0, 1, ... counts[s]-1 for each s, concatenated
+        total = int(counts.sum())
+        return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+    tokens = np.concatenate([a for it in items for a in (it.prompt_ids, it.response_ids)]).astype(np.int64)
+    offset = within(seq_len)
+    ids_t = np.zeros(n_rows * width, dtype=np.int64)
+    ids_t[np.repeat(start, seq_len) + offset] = tokens
+    # positions restart at every sequence; the unused tail of a row is its own run (never attended to by real tokens)
+    cols = np.arange(width, dtype=np.int64)
+    pos_t = np.where(cols[None, :] >= fill[:, None], cols[None, :] - fill[:, None], 0).reshape(-1)
+    pos_t[np.repeat(start, seq_len) + offset] = offset
+    j = within(n_resp)
+    logit_index = np.repeat(start + n_prompt - 1, n_resp) + j
+    targets = np.concatenate([it.response_ids for it in items]).astype(np.int64)
+    seq_ids = np.repeat(np.arange(n, dtype=np.int64), n_resp)
+    lp = np.concatenate([it.rollout_logprobs for it in items]).astype(np.float32)
+    mask = np.concatenate([it.loss_mask for it in items]).astype(np.float32)
+    adv = np.repeat(np.asarray([it.advantage for it in items], dtype=np.float32), n_resp)
+    if any(it.token_advantages is not None for it in items):
+        first = np.cumsum(n_resp) - n_resp
+        for s, it in enumerate(items):
+            if it.token_advantages is not None:
+                adv[first[s]:first[s] + n_resp[s]] = np.asarray(it.token_advantages, dtype=np.float32)
+    w = np.repeat(np.asarray([it.weight for it in items], dtype=np.float32), n_resp)
+
+    def t(a: np.ndarray) -> Any:
+        return torch.from_numpy(a).to(device)
 
     model_kwargs: dict[str, Any] = {}
     if len(items) == 1 and items[0].multimodal:
         model_kwargs = {k: torch.as_tensor(v).to(device) for k, v in items[0].multimodal.items()}
-    return MicroBatch(input_ids=torch.from_numpy(ids_t).to(device), position_ids=torch.from_numpy(pos_t).to(device),
+    return MicroBatch(input_ids=t(ids_t.reshape(n_rows, width)), position_ids=t(pos_t.reshape(n_rows, width)),
                       logit_index=t(logit_index), targets=t(targets), seq_ids=t(seq_ids), rollout_logprobs=t(lp),
                       loss_mask=t(mask), advantages=t(adv), weights=t(w), items=items, model_kwargs=model_kwargs,
                       real_tokens=sum(lengths))
