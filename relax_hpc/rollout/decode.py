@@ -40,6 +40,15 @@ def _cache_kwarg(model: Any) -> str | None:
     return None
 
 
+def _last_logits_kwarg(model: Any) -> dict[str, int]:
+    """Ask the forward for the last position's logits only, where it takes that argument."""
+    params = inspect.signature(type(model).forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return {name: 1}
+    return {}
+
+
 def _new_cache(model: Any) -> Any:
     from transformers import DynamicCache
 
@@ -79,7 +88,7 @@ def sample(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
     # as the responses costs as much to read as all n responses to generate
     positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1, **cache_arg)
+                **_last_logits_kwarg(model), **cache_arg)
     logits = out.logits[:, -1, :].float()
     if n > 1:
         cache.batch_repeat_interleave(n)
