@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.bench.pipeline import DEMO_RECIPE, machine
+from relax_hpc.bench.common import DEMO_RECIPE, machine, print_fields
 
 
 def measure(recipe: Path, overrides: list[str], *, batches: int, warmup: int, threads: int) -> dict[str, Any]:
@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(res, indent=1))
     else:
-        for k, v in res.items():
-            print(f"{k:32s} {v:.4g}" if isinstance(v, float) else f"{k:32s} {v}")
+        print_fields(res)
     return 0
 
 

@@ -20,16 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.bench.pipeline import (
-    DEMO_RECIPE,
-    ModeRun,
-    ScratchDirs,
-    interrupt,
-    metric_value,
-    report,
-    run_guarded,
-    run_mode,
-)
+from relax_hpc.bench.common import DEMO_RECIPE, ScratchDirs, interrupt, metric_value, report, run_guarded
+from relax_hpc.bench.pipeline import ModeRun, run_mode
 
 MODES = ("colocate", "fully_async")
 

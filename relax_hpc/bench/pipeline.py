@@ -39,22 +39,27 @@ import itertools
 import json
 import math
 import os
-import platform
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.bench.common import (
+    DEMO_RECIPE,
+    ScratchDirs,
+    interrupt,
+    machine,
+    metric_value,
+    print_fields,
+    report,
+    run_guarded,
+)
 from relax_hpc.rundir import RunDir
 
-DEMO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml"
 TIMING = ("trainer event-log timestamps from the end of step 1 to the end of the last step; process start-up, the "
           "supervised warm-up and step 1 are excluded")
 TRAINER_PHASES = {  # breakdown name -> metric of the trainer-side metric line (per step)
@@ -139,11 +144,6 @@ def run_mode(recipe: Path, overrides: list[str], root: Path, *, timeout_s: float
 
 
 # ------------------------------------------------------------------------------------------------ figures
-def metric_value(m: dict[str, Any], key: str) -> float:
-    v = m.get(key, 0.0)
-    return float(v) if isinstance(v, (int, float)) else float("nan")
-
-
 def _sum(records: list[dict[str, Any]], key: str) -> float:
     return sum(metric_value(r["metrics"], key) for r in records)
 
@@ -457,19 +457,6 @@ def default_cores() -> list[int]:
     return cores[:2]
 
 
-def machine() -> dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    import torch
-
-    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-
-
 def layout_overrides(mode: str, cores: list[int]) -> list[str]:
     """The resources of each mode: colocate on both cores, fully_async one core per role."""
     if mode == "colocate":
@@ -544,22 +531,9 @@ def disturbed(runs: dict[str, ModeRun], num_steps: int) -> list[str]:
     return out
 
 
-def finite(value: Any) -> Any:
-    """JSON has no NaN: a figure that could not be computed (a standard error of one step) becomes null."""
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def print_text(res: dict[str, Any]) -> None:
     skip = {"breakdown", "targets", "machine", "layout", "run_dirs", "warnings", "timing", "overrides"}
-    for k, v in res.items():
-        if k not in skip:
-            print(f"{k:32s} {v:.4g}" if isinstance(v, float) else f"{k:32s} {v}")
+    print_fields({k: v for k, v in res.items() if k not in skip})
     print(f"{'timing':32s} {res['timing']}")
     for k, v in res["targets"].items():
         print(f"target {k:25s} {'n/a' if v is None else 'met' if v else 'MISSED'}")
@@ -568,63 +542,6 @@ def print_text(res: dict[str, Any]) -> None:
         print(f"  {part:22s} " + "  ".join(f"{p} {1000 * s:.1f}" for p, s in phases.items()))
     for w in res.get("warnings", []):
         print(f"warning: {w}")
-
-
-class ScratchDirs:
-    """The run dirs of a benchmark under ``--out`` (default: a new temporary folder), removed at the end unless
-    ``--keep``; ``report`` then writes ``result.json`` beside them."""
-
-    def __init__(self, out: str | None, *, keep: bool, prefix: str):
-        self.made = out is None
-        self.root = Path(tempfile.mkdtemp(prefix=prefix)) if out is None else Path(out)
-        self.keep = keep
-        self.created: list[Path] = []
-
-    def new(self, name: str) -> Path:
-        path = self.root / name
-        self.created.append(path)
-        return path
-
-    def clean(self) -> None:
-        if self.keep:
-            return
-        for d in self.created:
-            shutil.rmtree(d, ignore_errors=True)
-        if self.made:
-            shutil.rmtree(self.root, ignore_errors=True)
-
-
-def run_guarded(body: Callable[[], dict[str, Any]], dirs: ScratchDirs) -> dict[str, Any] | int:
-    """Run a benchmark's body: its result, or an exit code after one error line (2 bad input, 1 failure, 130
-    interrupted); the scratch dirs are cleaned up either way."""
-    from relax_hpc.errors import ConfigError, RelaxError, UserError
-
-    try:
-        return body()
-    except (ConfigError, UserError) as exc:
-        for line in getattr(exc, "problems", None) or [str(exc)]:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    except (RelaxError, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        dirs.clean()
-
-
-def report(res: dict[str, Any], dirs: ScratchDirs, *, as_json: bool, text: Callable[[dict[str, Any]], None]) -> int:
-    """Print the result (JSON or text) and, with ``--keep``, write it to ``result.json`` beside the run dirs."""
-    res = finite(res)
-    if dirs.keep:
-        (dirs.root / "result.json").write_text(json.dumps(res, indent=1, allow_nan=False))
-    if as_json:
-        print(json.dumps(res, indent=1, allow_nan=False))
-    else:
-        text(res)
-    return 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -653,10 +570,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.alone_iters < 1:
         p.error("--alone-iters must be >= 1")
     return a
-
-
-def interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 def _alone_main(a: argparse.Namespace) -> int:

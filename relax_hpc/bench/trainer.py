@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from relax_hpc.bench.common import print_fields
+
 SHAPES = {
     "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
              "vocab": 18, "max_position": 4096},
@@ -161,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(out, indent=1))
     else:
-        for k, v in out.items():
-            print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
+        print_fields(out, width=28)
     return 0
 
 

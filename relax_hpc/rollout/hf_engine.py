@@ -17,7 +17,10 @@ from relax_hpc.rollout.engine import Completion, RolloutEngine
 
 
 class HFEngine(RolloutEngine):
-    """Generate with a HF causal LM. In ``colocate`` mode the model object is the trainer's own (weights shared)."""
+    """Generate with a HF causal LM. In ``colocate`` mode the model object is the trainer's own (weights shared).
+
+    ``seed`` is part of the engine interface; this engine samples with torch's global generator, which the role
+    seeds (:func:`relax_hpc.modes.components.seed_everything`), so it keeps none of its own."""
 
     def __init__(self, model: Any, tokenizer: Any, sampling: SamplingConfig, *, device: str = "cpu",
                  batch_prompts: int = 16, seed: int = 0, decoder: str = "auto"):
@@ -29,8 +32,6 @@ class HFEngine(RolloutEngine):
         self.version = 0
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
-        self._seed = seed
-        self._calls = 0
         self._loop: bool | None = None if decoder == "auto" else False  # decided at the first batch
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
@@ -75,7 +76,6 @@ class HFEngine(RolloutEngine):
             self._loop = loop_supported(self.model)
         greedy = s.temperature == 0
         temperature = 1.0 if greedy else s.temperature
-        self._calls += 1
         version = self.version
         was_training = self.model.training
         self.model.eval()
