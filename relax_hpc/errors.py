@@ -23,6 +23,16 @@ class RunDirError(UserError):
     """A folder that is not a run dir, holds another run, or cannot be written."""
 
 
+class StateFileError(RunDirError):
+    """A run-dir state file (JSON) that exists but cannot be read: garbage, truncated, not UTF-8, a pickle, the
+    wrong shape. Raised only by :func:`relax_hpc.fsio.read_json`; the message names the file."""
+
+    def __init__(self, path: object, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot read {path}: {reason}")
+
+
 class StoreError(RelaxError):
     """A sample-store problem that is not the user's input (e.g. an unreadable shard)."""
 

@@ -168,7 +168,7 @@ def read_heartbeats(run_dir: RunDir) -> dict[str, dict[str, Any]]:
         if p.name.startswith("."):
             continue
         try:
-            rec = read_json(p)
+            rec = read_json(p, expect=dict)
         except (OSError, ValueError):
             continue
         rec["age_s"] = max(0.0, now - float(rec.get("time", now)))

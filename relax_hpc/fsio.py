@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from relax_hpc.errors import RunDirError, WaitTimeout
+from relax_hpc.errors import RunDirError, StateFileError, WaitTimeout
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,19 @@ TMP_PREFIX = ".tmp-"
 def tmp_name(final: Path) -> Path:
     """A unique temporary sibling of ``final`` (same folder, so ``os.replace`` is atomic)."""
     return final.with_name(f"{TMP_PREFIX}{final.name}.{socket.gethostname()}.{os.getpid()}.{time.monotonic_ns()}")
+
+
+def check_writable(folder: Path | str, what: str = "folder") -> None:
+    """Raise :class:`RunDirError` naming ``folder`` unless a file can be created in it (read-only mounts, missing
+    permissions, a full disk): checked before a command starts anything, so nothing is left half done."""
+    folder = Path(folder)
+    probe = tmp_name(folder / ".write-check")
+    try:
+        with open(probe, "wb"):
+            pass
+        probe.unlink()
+    except OSError as exc:
+        raise RunDirError(f"{what} {_describe_oserror(exc, folder)}") from None
 
 
 def fsync_dir(path: Path) -> None:
@@ -94,15 +107,59 @@ def atomic_write_json(path: Path | str, obj: Any, *, fsync: bool = True, indent:
                               fsync=fsync)
 
 
-def read_json(path: Path | str, default: Any = ...) -> Any:
-    """Read a JSON file written by :func:`atomic_write_json`. ``default`` is returned if it does not exist."""
+def create_marker(path: Path | str) -> bool:
+    """Create the empty file ``path`` with ``O_CREAT | O_EXCL`` (atomic on local filesystems, NFSv3+, Lustre and
+    SFTP mounts: the name appears once, with nothing in it to be torn). False if it existed already.
+
+    Raises :class:`RunDirError` naming the file on a full disk, a read-only folder or a permission problem.
+    """
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise RunDirError(_describe_oserror(exc, Path(path))) from exc
+    os.close(fd)
+    return True
+
+
+def _why_unreadable(data: bytes, exc: Exception) -> str:
+    if data[:1] == b"\x80" and data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "it holds a Python pickle, not JSON (never unpickled)"
+    if not data.strip():
+        return "it is empty (truncated?)"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+    if isinstance(exc, json.JSONDecodeError):
+        end = "truncated? " if exc.pos >= len(data.rstrip()) else ""
+        return f"not valid JSON ({end}{exc.msg} at line {exc.lineno}, column {exc.colno})"
+    return f"not valid JSON ({type(exc).__name__})"
+
+
+def read_json(path: Path | str, default: Any = ..., *, expect: type | tuple[type, ...] | None = None) -> Any:
+    """Read a JSON file written by :func:`atomic_write_json`. ``default`` is returned if it does not exist.
+
+    The single reader of run-dir state files: a file that exists but is garbage, truncated, empty, not UTF-8, a
+    pickle, unreadable, or (with ``expect``) of the wrong JSON type raises :class:`StateFileError` naming it.
+    """
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read())
+            data = f.read()
     except FileNotFoundError:
         if default is ...:
             raise
         return default
+    except OSError as exc:
+        raise StateFileError(path, exc.strerror or str(exc)) from exc
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise StateFileError(path, _why_unreadable(data, exc)) from None
+    if expect is not None and not isinstance(obj, expect):
+        want = " or ".join(t.__name__ for t in (expect if isinstance(expect, tuple) else (expect,)))
+        raise StateFileError(path, f"expected a JSON {want.replace('dict', 'object').replace('list', 'array')}, "
+                                   f"got {type(obj).__name__}")
+    return obj
 
 
 @contextlib.contextmanager
@@ -152,7 +209,7 @@ def is_complete(path: Path | str, marker: str = COMPLETE_MARKER) -> bool:
 
 def remove_debris(folder: Path | str, *, older_than_s: float = 3600.0) -> list[Path]:
     """Delete temporary files/folders (``.tmp-*``) older than ``older_than_s`` left by killed writers."""
-    removed = []
+    removed: list[Path] = []
     now = time.time()
     folder = Path(folder)
     if not folder.is_dir():

@@ -11,6 +11,7 @@ Layout::
       config.json                   the resolved, validated config (all roles)
       config/<role>.json            the resolved config as each role saw it at start
       samples/shards/<writer>/      published HDF5 shards, one folder per writer incarnation
+      samples/announce/             one empty file per published, unconsumed shard: the planner's index
       samples/tmp/                  writers' temporary files (same filesystem, for atomic renames)
       samples/quarantine/           corrupt shards, moved aside with a reason file
       samples/consumers/<name>/     a consumer group's committed read position and per-step batch plans
@@ -24,8 +25,13 @@ Layout::
       logs/tensorboard/<proc>/      TensorBoard event files (when monitor.tensorboard is on)
       logs/wandb/                   offline W&B runs (when monitor.wandb is on)
       heartbeats/<proc>.json        each process's heartbeat, rewritten atomically
+      supervisor/<proc>.json        how often the role supervisor restarted a process, and why (its one writer)
+      supervisor/groups/<group>.json  the restart generation of a process group (every rank restarts together)
       rendezvous/<group>.json       address of a torch.distributed store for the fast path
       control/                      requests to roles (drain, stop) written by the CLI
+      servers/<proc>-<k>.json       an inference server a rollout process started (host, port, pid, command, log)
+      servers/<proc>-<k>/model/     the model folder that server loaded at start (server engines, tiny models)
+      servers/<proc>-<k>/views/     HF-loadable views of snapshots (links + config.json) that server loaded
       launch.json                   what the launcher started (executor, Slurm job ids or local pids)
       STATUS.json                   the run's final state (completed / failed), written when it ends
       slurm/                        sbatch scripts, submitit folders, jobs.json
@@ -43,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc import __version__
-from relax_hpc.errors import RunDirError
+from relax_hpc.errors import RunDirError, StateFileError
 from relax_hpc.fsio import TMP_PREFIX, atomic_write_json, read_json
 
 RUN_MARKER = "RUN.json"
@@ -92,6 +98,16 @@ class RunDir:
 
     def writer_shards(self, writer_id: str) -> Path:
         return self.shards / writer_id
+
+    @property
+    def announce(self) -> Path:
+        """The announcements of published shards: one empty file ``<writer_id>.<shard name>`` per shard, created
+        by its writer after the shard's rename (the planner lists this one folder instead of every writer's)."""
+        return self.samples / "announce"
+
+    def announce_file(self, writer_id: str, name: str) -> Path:
+        """The announcement of shard ``name`` of ``writer_id``."""
+        return self.announce / f"{writer_id}.{name}"
 
     @property
     def samples_tmp(self) -> Path:
@@ -214,6 +230,21 @@ class RunDir:
         return self.heartbeats / f"{proc}.json"
 
     @property
+    def supervisor(self) -> Path:
+        """The role supervisor's restart records, one per supervised process."""
+        return self.root / "supervisor"
+
+    def restarts_file(self, proc: str) -> Path:
+        """Restarts of one process: ``{"proc", "role", "rank", "restarts", "history": [...]}``."""
+        return self.supervisor / f"{proc}.json"
+
+    def group_restart_file(self, group: str) -> Path:
+        """The restart generation of a process group (a trainer of several ranks): ``{"group", "generation",
+        "by", "reason", "time"}``; a supervisor whose rank died raises it, every rank's supervisor then restarts its
+        rank."""
+        return self.supervisor / "groups" / f"{group}.json"
+
+    @property
     def rendezvous(self) -> Path:
         return self.root / "rendezvous"
 
@@ -234,6 +265,27 @@ class RunDir:
 
     def claim_file(self, proc: str) -> Path:
         return self.claims / f"{proc}.json"
+
+    @property
+    def servers(self) -> Path:
+        """Inference servers started by rollout processes (server engines): one record per server."""
+        return self.root / "servers"
+
+    def server_record(self, name: str) -> Path:
+        """Where a server's host, port, pid, command and log path are recorded (``rollout-0-0``)."""
+        return self.servers / f"{name}.json"
+
+    def server_log(self, name: str) -> Path:
+        """A server's stdout and stderr."""
+        return self.logs / f"server-{name}.log"
+
+    def server_views(self, name: str) -> Path:
+        """HF-loadable views of snapshot folders for a server (links to the snapshot's files + config.json)."""
+        return self.servers / name / "views"
+
+    def server_model(self, name: str) -> Path:
+        """The HF model folder a server loads at start when the model exists only in memory (tiny models)."""
+        return self.servers / name / "model"
 
     @property
     def slurm(self) -> Path:
@@ -266,9 +318,9 @@ class RunDir:
         return self.root / "export"
 
     # ---------------------------------------------------------------- lifecycle
-    _FOLDERS = ("samples/shards", "samples/tmp", "samples/quarantine", "samples/consumers", "weights/leases",
-                "weights/pins", "checkpoints", "logs/events", "heartbeats", "rendezvous", "control", "slurm",
-                "config")
+    _FOLDERS = ("samples/shards", "samples/announce", "samples/tmp", "samples/quarantine", "samples/consumers",
+                "weights/leases", "weights/pins", "checkpoints", "logs/events", "heartbeats", "supervisor",
+                "rendezvous", "control", "slurm", "config")
 
     def is_run_dir(self) -> bool:
         return self.marker.is_file()
@@ -278,9 +330,11 @@ class RunDir:
         if not self.is_run_dir():
             raise RunDirError(f"{self.root} is not a relax-hpc run dir (no {RUN_MARKER})")
         try:
-            return read_json(self.marker)
-        except (OSError, ValueError) as exc:
-            raise RunDirError(f"cannot read {self.marker}: {exc}") from exc
+            return read_json(self.marker, expect=dict)
+        except StateFileError:
+            raise
+        except OSError as exc:
+            raise RunDirError(f"cannot read {self.marker}: {exc.strerror or exc}") from exc
 
     @classmethod
     def create(cls, root: Path | str, *, name: str = "run", resume: bool = False) -> RunDir:

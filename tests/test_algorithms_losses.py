@@ -350,3 +350,39 @@ def test_missing_reference_or_entropy_is_an_error() -> None:
     loss, m = get_algorithm("grpo").loss(x, make_cfg("grpo", "token_mean", kl_coef=0.0, entropy_coef=0.0))
     assert loss.dtype == torch.float32
     assert KL_LOSS not in m and ENTROPY_LOSS not in m
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_minus_inf_old_logprob_on_masked_token_gives_finite_gradient(algo: str) -> None:
+    """A masked-out token (tool output nobody sampled) may carry a -inf log-prob: masked before the exponential."""
+    lv = leaves()
+    x = make_inputs(lv, [0, 1, 2, 3, 4])
+    masked_out = [t for t, m in enumerate(MASK) if not m]
+    old = x.old_logprobs.clone()
+    old[masked_out] = -math.inf
+    x.old_logprobs = old
+    x.rollout_logprobs = x.rollout_logprobs.clone()
+    x.rollout_logprobs[masked_out] = -math.inf
+    loss, metrics = get_algorithm(algo).loss(x, make_cfg(algo, "seq_mean_token_mean"))
+    (g,) = torch.autograd.grad(loss, [lv.logp])
+    assert torch.isfinite(loss) and torch.all(torch.isfinite(g))
+    assert torch.all(g[masked_out] == 0)
+    assert all(math.isfinite(float(v)) for v in metrics.values())
+    # the masked-in tokens' loss is unchanged by what the masked-out ones hold
+    ref, _ = get_algorithm(algo).loss(make_inputs(leaves(), [0, 1, 2, 3, 4]), make_cfg(algo, "seq_mean_token_mean"))
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+
+
+def test_sapo_gate_metric_uses_the_temperature_in_the_inputs_dtype() -> None:
+    """tau = 1.1 is not a float32 number: the gate-weight metric must use it in float64 like the loss does."""
+    cfg = make_cfg("sapo", "token_mean", tis_cap=None, sapo_tau_pos=1.1, sapo_tau_neg=1.3)
+    x = make_inputs(leaves(), [0, 1, 2, 3, 4])
+    _, metrics = get_algorithm("sapo").loss(x, cfg)
+    want = 0.0
+    for t in range(len(LOGP)):
+        if MASK[t]:
+            adv = [SEQ_ADV[s] for s in range(len(SEQ_LENS)) for _ in range(SEQ_LENS[s])][t]
+            tau = 1.1 if adv > 0 else 1.3
+            p = 1.0 / (1.0 + math.exp(-tau * (math.exp(DELTA[t]) - 1.0)))
+            want += 4 * p * (1 - p)
+    assert metrics["train/sapo_gate_weight"].item() == pytest.approx(want / NUM_TOKENS, rel=1e-14, abs=0)

@@ -166,3 +166,94 @@ def test_local_executor_pins_a_role(tmp_path):
     assert _pin(None) is None
     with pytest.raises(UserError, match="not available"):
         _pin([max(os.sched_getaffinity(0)) + 1000])
+
+
+def test_gpu_layouts_validate():
+    """``--gpus``: colocate on every GPU, fully_async split trainer / one worker per rollout GPU; bad lists refused."""
+    from runutil import DEMO
+
+    from relax_hpc.bench.gpus import GpuLayout
+
+    two = GpuLayout.parse(2, None, None)
+    assert (two.trainer, two.rollout) == ((0,), (1,))
+    colo = load_recipe(DEMO, two.overrides("colocate"))
+    assert colo.mode == "colocate" and colo.trainer.num_ranks == 2 and colo.launch.trainer.gpus == [0, 1]
+    asy = load_recipe(DEMO, two.overrides("fully_async"))
+    assert (asy.launch.trainer.gpus, asy.launch.rollout.gpus, asy.rollout.num_workers) == ([0], [1], 1)
+    assert asy.weights.fast_path == "auto"  # NCCL between the two GPUs
+    eight = GpuLayout.parse(8, None, None)
+    asy8 = load_recipe(DEMO, eight.overrides("fully_async") + eight.threads("fully_async", 128))
+    assert asy8.trainer.num_ranks == 4 and asy8.launch.trainer.gpus == [0, 1, 2, 3]
+    assert asy8.rollout.num_workers == 4 and asy8.launch.rollout.gpus == [4, 5, 6, 7]
+    assert asy8.launch.trainer.cpus_per_task == asy8.launch.rollout.cpus_per_task == 16
+    # a TP=2 trainer on both GPUs of two, its worker beside rank 1: NCCL from rank 0 (GPU 0) still works
+    shared = GpuLayout.parse(2, "0,1", "1")
+    assert "weights.fast_path=auto" in shared.overrides("fully_async")
+    assert "weights.fast_path=gloo" in GpuLayout.parse(2, "0", "0").overrides("fully_async")
+    for args, msg in (((1, None, None), ">= 2"), ((2, "0,2", None), "outside"), ((2, "0,0", "1"), "repeat"),
+                      ((2, "0,1", None), "both name"), ((2, "a", None), "ids separated")):
+        with pytest.raises(ValueError, match=msg):
+            GpuLayout.parse(*args)
+    with pytest.raises(ConfigError):
+        load_recipe(DEMO, ["launch.rollout.gpus=[]"])
+
+
+def test_local_executor_gpu_env_per_rank():
+    """``launch.<role>.gpus``: each rank's own GPU first in CUDA_VISIBLE_DEVICES, every other GPU after it."""
+    from runutil import DEMO
+
+    from relax_hpc.launch.local import gpu_env
+
+    cfg = load_recipe(DEMO, ["mode=fully_async", "launch.trainer.gpus=[0,1,2,3]", "launch.rollout.gpus=[4,5,6,7]"])
+    assert gpu_env(cfg, cfg.launch.rollout.gpus, 2) == {"CUDA_VISIBLE_DEVICES": "6,0,1,2,3,4,5,7", "RELAX_HPC_GPU": "6"}
+    assert gpu_env(cfg, cfg.launch.trainer.gpus, 0)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert gpu_env(cfg, cfg.launch.rollout.gpus, 5)["RELAX_HPC_GPU"] == "5"  # ranks beyond the list wrap around
+    assert gpu_env(cfg, None, 0) == {}
+
+
+def test_gpu_sampler_with_a_stand_in_nvidia_smi(tmp_path):
+    """The busy sampler parses ``nvidia-smi`` CSV and averages per GPU inside a window. This machine has no GPU:
+    a shell script stands in for ``nvidia-smi`` (the real one is used on GPU machines, see tools/gpu/x2.sh)."""
+    import time
+
+    from relax_hpc.bench.gpus import GpuSampler, parse_query
+
+    assert parse_query("0, 40\n1, [N/A]\nbad\n2, 7") == {0: 40.0, 2: 7.0}
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\n[ "$1" = "--query-gpu=index,utilization.gpu" ] || exit 3\nprintf "0, 40\\n1, 90\\n"\n')
+    fake.chmod(0o755)
+    start = time.time()
+    with GpuSampler(period_s=0.05, command=str(fake)) as s:
+        assert s.available
+        deadline = time.monotonic() + 30
+        while len(s.samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(s.samples) >= 3
+    assert s.busy(start, time.time()) == {"0": pytest.approx(0.4), "1": pytest.approx(0.9)}
+    assert s.busy(0.0, 1.0) is None  # no sample in that window
+    missing = GpuSampler(command=str(tmp_path / "absent"))
+    with missing:
+        pass
+    assert not missing.available and missing.samples == []
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_bench_pipeline_two_trainer_ranks_with_the_fast_path(tmp_path):
+    """``--gpus 2 --trainer-gpus 0,1``, on the CPU (gloo): fully_async with a trainer of two FSDP2 ranks and the
+    fast path to its worker (the start-up weight gather is a collective of every trainer rank: it once deadlocked),
+    colocate with two ranks; t_gen / t_train then come from the fully_async run itself."""
+    out = tmp_path / "out"
+    r = cli("bench", "pipeline", "--json", "--device", "cpu", "--steps", "2", "--gpus", "2", "--trainer-gpus", "0,1",
+            "--rollout-gpus", "1", "--shape", "qwen3-tiny", "--cache", str(tmp_path / "cache"), "--keep", "--out",
+            str(out), "--timeout-s", "240", "--set", "rollout.prompts_per_step=2", "--set", "rollout.batch_prompts=2",
+            "--set", "rollout.n_samples=2", "--set", "rollout.sampling.max_new_tokens=4", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["role_times"].startswith("in-run") and res["t_train"] > 0 and res["t_gen"] > 0
+    cfg = json.loads((out / "fully_async" / "config.json").read_text())
+    assert cfg["trainer"]["num_ranks"] == 2 and cfg["launch"]["trainer"]["gpus"] == [0, 1]
+    assert cfg["weights"]["fast_path"] == "auto"
+    assert res["handover"]["fast_path_run"]["fast_path_backends"] == {"weights-0": "gloo"}
+    assert res["train_throughput"]["fully_async"]["trainer_ranks"] == 2
+    assert res["train_throughput"]["colocate"]["tokens_per_s"] > 0

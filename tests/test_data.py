@@ -55,8 +55,11 @@ def test_task_dense_and_impossible_sizes():
                                                             [f"{i:02d}" for i in range(100)])
     with pytest.raises(ConfigError, match=r"data.task.num_prompts=111: only 110 distinct"):
         generate_task(TaskConfig(min_len=1, max_len=2, num_prompts=111), seed=0)
+    with pytest.raises(ValueError, match=r"min_len=3 is larger than max_len=2"):
+        TaskConfig(min_len=3, max_len=2)  # the schema refuses it when the recipe is validated
     with pytest.raises(ConfigError, match=r"data.task.max_len=2 is smaller than min_len=3"):
-        generate_task(TaskConfig(min_len=3, max_len=2), seed=0)
+        generate_task(TaskConfig.model_construct(name="reverse_digits", min_len=3, max_len=2, num_prompts=10),
+                      seed=0)
 
 
 def test_task_dataset_uses_the_digits_chat_template(digits):
@@ -73,7 +76,8 @@ def test_task_dataset_uses_the_digits_chat_template(digits):
 def test_jsonl_with_chat_template_and_system_prompt(bpe):
     cfg = DataConfig(path=str(ARITHMETIC), system_prompt="Put the answer in \\boxed{}.", max_prompt_tokens=4096)
     ds = PromptDataset(cfg, bpe, seed=0)
-    assert len(ds) == 200 and ds.stats() == {"data/rows": 200, "data/prompts": 200, "data/too_long": 0}
+    assert len(ds) == 200 and ds.stats() == {"data/rows": 200, "data/prompts": 200, "data/too_long": 0,
+                                             "data/bad_media": 0}
     first = json.loads(ARITHMETIC.read_text().splitlines()[0])
     p = ds[0]
     expected = bpe.apply_chat_template(

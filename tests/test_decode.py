@@ -4,7 +4,9 @@ padding handled alike; and the engine picks ``generate`` where the loop does not
 
 from __future__ import annotations
 
+import asyncio
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +16,7 @@ from runutil import cli
 
 from relax_hpc.config.schema import SamplingConfig
 from relax_hpc.rollout.decode import loop_supported, sample
+from relax_hpc.rollout.engine import GenerateRequest, GenerateResult, generate_all
 from relax_hpc.rollout.hf_engine import HFEngine
 
 VOCAB, EOS, PAD = 12, 3, 0
@@ -50,15 +53,30 @@ def left_pad(ps: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, attn
 
 
-def engine(model: torch.nn.Module, decoder: str, device: str = "cpu", **sampling: object) -> HFEngine:
+def engine(model: torch.nn.Module, decoder: str, device: str = "cpu", seed: int = 0, **sampling: object) -> HFEngine:
     tok = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
-    return HFEngine(model, tok, SamplingConfig(**sampling), batch_prompts=8, decoder=decoder, device=device)
+    return HFEngine(model, tok, SamplingConfig(**sampling), batch_prompts=8, decoder=decoder, device=device,
+                    seed=seed)
 
 
-def completions(eng: HFEngine, seed: int, n: int) -> list[tuple[list[int], np.ndarray, str]]:
-    torch.manual_seed(seed)
-    out = eng.generate(prompts(), n)
-    return [(c.token_ids.tolist(), c.logprobs, c.finish_reason) for group in out for c in group]
+def generate(eng: HFEngine, n: int) -> list[GenerateResult]:
+    """The five prompts as concurrent requests (one batch), then the engine's thread is stopped."""
+    reqs = [GenerateRequest(f"p{i}", p, replace(eng.sampling, n=n)) for i, p in enumerate(prompts())]
+
+    async def go() -> list[GenerateResult]:
+        try:
+            return await generate_all(eng, reqs)
+        finally:
+            await eng.close()
+    return asyncio.run(go())
+
+
+def completions(model: torch.nn.Module, decoder: str, seed: int, n: int, device: str = "cpu",
+                **sampling: object) -> tuple[HFEngine, list[tuple[list[int], np.ndarray, str]]]:
+    """A fresh engine seeded with ``seed``: its first batch's samples."""
+    eng = engine(model, decoder, device, seed, **sampling)
+    out = generate(eng, n)
+    return eng, [(c.token_ids.tolist(), c.logprobs, c.finish_reason) for r in out for c in r.samples]
 
 
 @pytest.mark.parametrize("sampling", [
@@ -69,10 +87,9 @@ def completions(eng: HFEngine, seed: int, n: int) -> list[tuple[list[int], np.nd
     {"temperature": 0.9, "top_k": 6, "top_p": 0.9},
 ], ids=["greedy", "t1", "topk", "topp", "both"])
 def test_loop_samples_exactly_as_generate(model: torch.nn.Module, sampling: dict[str, float]) -> None:
-    loop = engine(model, "auto", max_new_tokens=10, **sampling)
-    gen = engine(model, "generate", max_new_tokens=10, **sampling)
     for seed in (0, 1):
-        a, b = completions(loop, seed, 4), completions(gen, seed, 4)
+        loop, a = completions(model, "auto", seed, 4, max_new_tokens=10, **sampling)
+        gen, b = completions(model, "generate", seed, 4, max_new_tokens=10, **sampling)
         assert loop._loop is True and gen._loop is False
         assert [x[0] for x in a] == [x[0] for x in b]
         assert [x[2] for x in a] == [x[2] for x in b]
@@ -90,9 +107,8 @@ def test_loop_samples_exactly_as_generate_on_cuda(model: torch.nn.Module) -> Non
 
     gpu = copy.deepcopy(model).cuda()
     for sampling in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 6, "top_p": 0.9}):
-        loop = engine(gpu, "auto", "cuda", max_new_tokens=10, **sampling)
-        gen = engine(gpu, "generate", "cuda", max_new_tokens=10, **sampling)
-        a, b = completions(loop, 0, 4), completions(gen, 0, 4)
+        loop, a = completions(gpu, "auto", 0, 4, "cuda", max_new_tokens=10, **sampling)
+        _, b = completions(gpu, "generate", 0, 4, "cuda", max_new_tokens=10, **sampling)
         assert loop._loop is True
         assert [x[0] for x in a] == [x[0] for x in b]
         for (_, lp_a, _), (_, lp_b, _) in zip(a, b):
@@ -128,9 +144,9 @@ def test_engine_uses_generate_where_the_loop_does_not_apply(model: torch.nn.Modu
     def spy(*args: object, **kwargs: object) -> None:
         calls.append(1)
         raise RuntimeError("generate called")
-    stop._generate = spy  # type: ignore[method-assign]
+    stop._hf_generate = spy  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="generate called"):
-        stop.generate(prompts(), 2)
+        generate(stop, 2)
     assert calls and stop._loop is True  # the model supports the loop, but stop strings go to generate
 
 

@@ -134,3 +134,28 @@ def test_trainer_sigkill_restart_resumes_without_double_consumption(tmp_path: Pa
                 assert not (seen.setdefault(name, set()) & groups), f"{name} groups read twice"
                 seen[name] |= groups
     assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
+
+
+@pytest.mark.integration
+def test_trainer_stops_on_sigterm_while_waiting_for_samples(tmp_path: Path) -> None:
+    """Every rollout worker is gone (a detached local run has no supervisor to restart them) and the trainer waits
+    for samples; SIGTERM (a preemption) must end that wait: the trainer checkpoints its last step and exits at once,
+    instead of waiting out ``store.wait_timeout_s``."""
+    run = tmp_path / "run"
+    pids = _start(run, "--set", "num_steps=400", "--set", "warmup.steps=0", "--set", "trainer.checkpoint_every=1000")
+    try:
+        _wait_steps(run, 3)
+        for name in ("rollout-0", "rollout-1"):
+            os.kill(pids[name], signal.SIGKILL)
+            _wait_exit(pids[name])
+        time.sleep(3.0)  # the backlog is drained: the trainer now waits for samples that will not come
+        step = len(rewards(run, "trainer-0"))
+        os.kill(pids["trainer-0"], signal.SIGTERM)
+        _wait_exit(pids["trainer-0"], timeout=60)
+    finally:
+        for pid in pids.values():
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+    assert step < 400
+    ckpt = int((run / "checkpoints" / "LATEST").read_text())
+    assert ckpt == len(rewards(run, "trainer-0")) >= step  # the steps it finished, checkpointed on the signal

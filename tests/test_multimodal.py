@@ -183,5 +183,5 @@ def test_wav_stereo_is_averaged_and_resampled():
     frames = np.array([[0.2, 0.4]] * 800, dtype="<f4").tobytes()
     x = load_audio(_wav(3, 32, 2, frames, rate=8000), 16000)
     assert x.shape == (1600,) and np.allclose(x[100:-100], 0.3, atol=1e-3)
-    with pytest.raises(UserError, match="not a WAV file"):
+    with pytest.raises(UserError, match="cannot decode audio"):
         load_audio(b"OggS....", 16000)

@@ -217,8 +217,8 @@ def test_time_limit_warning() -> None:
 def test_templates_ship_with_the_package() -> None:
     folder = templates_dir()
     names = {p.name for p in folder.glob("*.j2")}
-    assert {"_base.sbatch.j2", "hetjob.sbatch.j2", "trainer.sbatch.j2", "rollout.sbatch.j2", "colocate.sbatch.j2",
-            "sweep.sbatch.j2"} <= names
+    # one template per job shape (a role's job, an elastic role's array, a het job, a sweep array), none per role
+    assert {"_base.sbatch.j2", "hetjob.sbatch.j2", "job.sbatch.j2", "array.sbatch.j2", "sweep.sbatch.j2"} <= names
     assert shlex.quote("x") == "x"
 
 
@@ -234,5 +234,5 @@ def test_wheel_contains_templates(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     (wheel,) = tmp_path.glob("relax_hpc-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for t in ("_base", "hetjob", "trainer", "rollout", "colocate", "sweep"):
+    for t in ("_base", "hetjob", "job", "array", "sweep"):
         assert f"relax_hpc/sbatch/{t}.sbatch.j2" in names, sorted(n for n in names if "sbatch" in n)

@@ -305,8 +305,12 @@ def test_bad_positions_and_run_dirs(rd: RunDir, tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="belongs to consumer 'other'"):
         c.resume({"format": 1, "consumer": "other", "writers": {}})
     rd.consumer_position().write_text("{not json")
+    damaged = ConsumerGroup(rd)  # survives: a resuming trainer uses its checkpoint's copy of the position
+    assert damaged.position_problem and "position.json" in damaged.position_problem
     with pytest.raises(StoreError, match="cannot read position file"):
-        ConsumerGroup(rd)
+        damaged.resume()  # ... but there is no committed position to fall back to
+    damaged.resume({"format": 1, "consumer": "trainer", "writers": {}})
+    assert backlog(rd).samples == 0  # writers' backlog survives the damaged file too
     for bad in (tmp_path / "nothing", tmp_path):
         with pytest.raises(RunDirError, match=r"does not exist|is not a relax-hpc run dir"):
             ConsumerGroup(bad)
@@ -336,7 +340,7 @@ def test_planned_position_for_backlog(rd: RunDir) -> None:
 
 
 def test_samples_to_items(rd: RunDir) -> None:
-    from relax_hpc.rollout.groups import samples_to_items
+    from relax_hpc.trainer.items import samples_to_items
 
     ShardWriter(rd, "w.0").write([group("a", n=2, version=3)])
     c = ConsumerGroup(rd)

@@ -418,3 +418,50 @@ def test_h5raw_images_open_in_the_hdf5_library(tmp_path: Path) -> None:
     with h5py.File(path, "r") as f:
         assert all(np.array_equal(f[k][()], floats[f"<{k}"]) for k in ("f2", "f4", "f8"))
     assert h5raw.locate(path.read_bytes()) is not None and h5raw.locate(b"\x89HDF\r\n\x1a\n" + bytes(200)) is None
+
+
+@pytest.mark.parametrize("n", [9, 16, 17, 40, h5raw.MAX_DATASETS])
+def test_h5raw_lays_out_any_number_of_datasets(tmp_path: Path, n: int) -> None:
+    """More names than one symbol table node holds (8): several nodes under the root's B-tree node."""
+    rng = np.random.default_rng(n)
+    dtypes = ["<i1", "<i4", "<i8", "<u1", "<u2", "<f2", "<f4", "<f8"]
+    datasets = {f"c{k:03d}_{'x' * (k % 7)}": (rng.standard_normal(int(rng.integers(0, 30))) * 50).astype(
+        dtypes[k % len(dtypes)]) for k in rng.permutation(n)}
+    image = h5raw.build_image(datasets, {"format": b"x-1", "k": n})
+    path = tmp_path / "many.h5"
+    path.write_bytes(image)
+    with h5py.File(path, "r") as f:
+        assert sorted(f) == sorted(datasets) and f.attrs["k"] == n
+        for name, arr in datasets.items():
+            assert f[name].dtype == arr.dtype and f[name][()].tobytes() == arr.tobytes()
+    found, attrs = h5raw.locate(image)  # type: ignore[misc]
+    assert attrs == {"k": n} and sorted(found) == sorted(datasets)
+    for name, (at, length, dtype) in found.items():
+        got = np.frombuffer(image, dtype, length, at) if length else np.empty(0, dtype)
+        assert dtype == datasets[name].dtype and got.tobytes() == datasets[name].tobytes()
+    with pytest.raises(ValueError, match="cannot lay out"):
+        h5raw.build_image({f"d{k}": np.zeros(1) for k in range(h5raw.MAX_DATASETS + 1)}, {})
+
+
+def test_text_shard_with_more_columns_is_written_by_the_fast_path(rd: RunDir, tmp_path: Path) -> None:
+    """A text shard with 10 more root columns (18 datasets) is still laid out in memory, bit-identical for the HDF5
+    library; the shard reader reads its samples the same; past h5raw.MAX_DATASETS the library writes it."""
+    from relax_hpc.store.shard import encode_shard
+
+    rng = np.random.default_rng(3)
+    groups = [SampleGroup(f"g{g}", [text_sample(rng, f"{g}-{i}") for i in range(3)]) for g in range(4)]
+    plain = tmp_path / "plain.h5"
+    encode_shard(groups, writer_id="w", seq=0).write(plain)
+    for extra, fast in ((10, True), (h5raw.MAX_DATASETS, False)):
+        shard = encode_shard(groups, writer_id="w", seq=0)
+        cols = {f"extra_{k:03d}": rng.integers(0, 1 << 30, int(rng.integers(0, 40))).astype(np.int32)
+                for k in range(extra)}
+        shard.columns.update(cols)
+        path = tmp_path / f"wide{extra}.h5"
+        shard.write(path)
+        assert (h5raw.locate(path.read_bytes()) is not None) == fast  # the in-memory layout, or the library's
+        with h5py.File(path, "r") as f, h5py.File(plain, "r") as g:
+            assert len(f) == 8 + extra
+            assert all(f[k][()].tobytes() == v.tobytes() for k, v in cols.items())
+            assert all(f[k][()].tobytes() == g[k][()].tobytes() for k in g if k != "header")  # header: its time
+        _same_samples(read_shard(path), read_shard(plain))

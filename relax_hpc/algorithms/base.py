@@ -8,6 +8,11 @@ the whole step (all micro-batches of all data-parallel ranks), ``global_num_toke
 sum of the micro-batch losses over gradient accumulation and ranks equals the loss of one big batch, and gradients are
 summed, never averaged, across micro-batches and ranks (the trainer all-reduces with SUM, or averages and multiplies
 by the world size). Metrics are normalised the same way and are summed the same way.
+A trainer that streams micro-batches learns the normalisers only at the end of the step: it may back-propagate each
+micro-batch's loss with both normalisers 1 and divide the summed gradient by the ``loss_agg`` normaliser afterwards,
+which is exact because every loss term is an ``aggregate(..., cfg.loss_agg)`` (an algorithm must keep it so; the
+torch trainer checks). Metrics have their own normalisers (token means divide by tokens whatever ``loss_agg`` is), so
+the trainer computes them from each micro-batch's detached inputs with the true normalisers.
 :func:`relax_hpc.algorithms.common.count_normalisers` counts one micro-batch's share of both normalisers.
 
 Three log-probs, two policies (decoupled PPO).

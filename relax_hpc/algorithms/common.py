@@ -137,6 +137,12 @@ def masked(values: Tensor, x: LossInputs) -> Tensor:
     return torch.where(x.loss_mask > 0, values * x.loss_mask, values.new_zeros(()))
 
 
+def log_ratio(x: LossInputs) -> Tensor:
+    """[T] ``logprobs - old_logprobs`` on masked-in tokens, 0 elsewhere: masked before any exponential, so a
+    ``-inf`` log-prob on a masked-out token (a tool token nobody sampled) gives neither ``inf`` nor a NaN gradient."""
+    return torch.where(x.loss_mask > 0, x.logprobs - x.old_logprobs, x.logprobs.new_zeros(()))
+
+
 def _norm(n: float) -> float:
     return max(float(n), 1.0)  # normalisers count tokens/sequences: an empty step has sum 0 and gives 0
 

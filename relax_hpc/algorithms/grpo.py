@@ -31,6 +31,7 @@ from relax_hpc.algorithms.common import (
     clipped_surrogate,
     finish_loss,
     group_advantages,
+    log_ratio,
     sample_weights,
     token_mean,
     token_tis,
@@ -55,11 +56,11 @@ class GRPO:
 
     def clipped_loss(self, x: LossInputs, cfg: AlgorithmConfig, advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss with ``advantages`` [T] in place of ``x.advantages`` (subclasses shape their own)."""
-        log_ratio = x.logprobs - x.old_logprobs
-        pg, clipped = clipped_surrogate(torch.exp(log_ratio), advantages, cfg.clip_low, cfg.clip_high)
+        lr = log_ratio(x)
+        pg, clipped = clipped_surrogate(torch.exp(lr), advantages, cfg.clip_low, cfg.clip_high)
         tis, metrics = token_tis(x, cfg.tis_cap)
         metrics[PG_CLIPFRAC] = token_mean(clipped, x)
-        metrics[PPO_KL] = token_mean(-log_ratio, x)
+        metrics[PPO_KL] = token_mean(-lr, x)
         return finish_loss(pg * tis * sample_weights(x), x, cfg, metrics)
 
 

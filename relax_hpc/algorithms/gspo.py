@@ -30,7 +30,15 @@ import torch
 from torch import Tensor
 
 from relax_hpc.algorithms.base import PG_CLIPFRAC, PPO_KL, TIS_CLIPFRAC, TIS_WEIGHT_MEAN, LossInputs
-from relax_hpc.algorithms.common import clipped_surrogate, finish_loss, masked, sample_weights, seq_sum, token_mean
+from relax_hpc.algorithms.common import (
+    clipped_surrogate,
+    finish_loss,
+    log_ratio,
+    masked,
+    sample_weights,
+    seq_sum,
+    token_mean,
+)
 from relax_hpc.algorithms.grpo import GRPO
 
 if TYPE_CHECKING:
@@ -49,8 +57,8 @@ class GSPO(GRPO):
 
     def loss(self, x: LossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
         """Sequence-ratio clipped surrogate plus the KL and entropy terms (module docstring)."""
-        log_ratio = x.logprobs - x.old_logprobs
-        log_s = seq_mean(log_ratio, x).detach()[x.seq_ids]  # [T] log s_i of each token's sequence
+        lr = log_ratio(x)
+        log_s = seq_mean(lr, x).detach()[x.seq_ids]  # [T] log s_i of each token's sequence
         ratio = torch.exp(log_s + x.logprobs - x.logprobs.detach())  # value s_i, gradient s_i * grad logp_t
         pg, clipped = clipped_surrogate(ratio, x.advantages, cfg.clip_low, cfg.clip_high)
 
@@ -63,7 +71,7 @@ class GSPO(GRPO):
             truncated = (log_w > float(np.log(cfg.tis_cap))).to(tis.dtype)
         metrics = {
             PG_CLIPFRAC: token_mean(clipped, x),
-            PPO_KL: token_mean(-log_ratio, x),
+            PPO_KL: token_mean(-lr, x),
             TIS_WEIGHT_MEAN: token_mean(tis, x),
             TIS_CLIPFRAC: token_mean(truncated, x),
         }

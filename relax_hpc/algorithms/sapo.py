@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from relax_hpc.algorithms.base import PG_CLIPFRAC, PPO_KL, LossInputs
-from relax_hpc.algorithms.common import finish_loss, sample_weights, token_mean, token_tis
+from relax_hpc.algorithms.common import finish_loss, log_ratio, sample_weights, token_mean, token_tis
 from relax_hpc.algorithms.grpo import GRPO
 
 if TYPE_CHECKING:
@@ -34,9 +34,14 @@ if TYPE_CHECKING:
 GATE_WEIGHT = "train/sapo_gate_weight"
 
 
+def gate_temperature(ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """[T] ``tau_pos`` where ``A > 0``, else ``tau_neg``, in the dtype of ``ratio`` (never rounded to float32)."""
+    return torch.where(advantages > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))
+
+
 def soft_gate(ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
     """[T] ``f(r) = (4 / tau) * sigmoid(tau * (r - 1))``, ``tau = tau_pos`` where ``A > 0``, else ``tau_neg``."""
-    tau = torch.where(advantages > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))
+    tau = gate_temperature(ratio, advantages, tau_pos, tau_neg)
     return (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
 
 
@@ -47,17 +52,17 @@ class SAPO(GRPO):
 
     def loss(self, x: LossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
         """Soft-gated surrogate plus the KL and entropy terms (module docstring)."""
-        log_ratio = x.logprobs - x.old_logprobs
-        ratio = torch.exp(log_ratio)
+        lr = log_ratio(x)  # masked before the exponential
+        ratio = torch.exp(lr)
         pg = -soft_gate(ratio, x.advantages, cfg.sapo_tau_pos, cfg.sapo_tau_neg) * x.advantages
         with torch.no_grad():
-            tau = torch.where(x.advantages > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
-            p = torch.sigmoid(tau * (ratio - 1.0))
+            tau = gate_temperature(ratio, x.advantages, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+            p = torch.sigmoid(tau * (ratio.detach() - 1.0))
             gate_weight = 4.0 * p * (1.0 - p)
         tis, metrics = token_tis(x, cfg.tis_cap)
         metrics[PG_CLIPFRAC] = token_mean((gate_weight < 0.5).to(ratio.dtype), x)
         metrics[GATE_WEIGHT] = token_mean(gate_weight, x)
-        metrics[PPO_KL] = token_mean(-log_ratio, x)
+        metrics[PPO_KL] = token_mean(-lr, x)
         return finish_loss(pg * tis * sample_weights(x), x, cfg, metrics)
 
 

@@ -1,4 +1,6 @@
 """``relax-hpc bench generate``: the ``hf`` engine's sampling loop against ``transformers.generate``, same model.
+With ``--set rollout.engine=vllm`` (or ``sglang``) it runs ``relax-hpc bench engines``: that server engine against the
+hf engine on the same prompts (:mod:`relax_hpc.bench.engines`).
 
 Builds the recipe's policy (default: the demo's tiny model), then times ``engine.generate`` on the same prompt
 batches (``rollout.batch_prompts`` prompts x ``rollout.n_samples`` samples, the recipe's sampling settings) with
@@ -10,6 +12,7 @@ the mean response length of each (the two sample from the same distribution, so 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -25,27 +28,36 @@ def measure(recipe: Path, overrides: list[str], *, batches: int, warmup: int, th
 
     from relax_hpc.config.load import load_recipe
     from relax_hpc.modes import components as C
+    from relax_hpc.rollout.engine import GenerateRequest, generate_all
+    from relax_hpc.rollout.hf_engine import sampling_params
 
     torch.set_num_threads(threads)
     cfg = load_recipe(recipe, overrides)
     policy = C.build_policy(cfg, device_pref=cfg.rollout.device)
-    engines = {d: C.build_engine(load_recipe(recipe, [*overrides, f"rollout.hf_decoder={d}"]), policy)
+    engines = {d: C.build_engine(load_recipe(recipe, [*overrides, f"rollout.hf_decoder={d}"]), policy.tokenizer,
+                                 seed=cfg.seed, model=policy.model, device=policy.device)
                for d in ("auto", "generate")}
+    sampling = sampling_params(cfg.rollout.sampling, cfg.rollout.n_samples)
     stream = C.build_prompt_stream(cfg, policy.tokenizer)
     times: dict[str, list[float]] = {d: [] for d in engines}
     lengths: dict[str, list[float]] = {d: [] for d in engines}
     sync = torch.cuda.synchronize if policy.device.startswith("cuda") else (lambda: None)
+    loop = asyncio.new_event_loop()
     for i in range(warmup + batches):
         batch = stream.next_batch(cfg.rollout.batch_prompts)
         for d, engine in engines.items():
+            reqs = [GenerateRequest(f"{d}-{i}-{k}", p.prompt_ids, sampling, multimodal=p.multimodal)
+                    for k, p in enumerate(batch)]
             sync()
             t0 = time.perf_counter()
-            out = engine.generate([p.prompt_ids for p in batch], cfg.rollout.n_samples,
-                                  multimodal=[p.multimodal for p in batch])
+            out = loop.run_until_complete(generate_all(engine, reqs))
             sync()
             if i >= warmup:
                 times[d].append(time.perf_counter() - t0)
-                lengths[d].append(statistics.mean(len(c.token_ids) for g in out for c in g))
+                lengths[d].append(statistics.mean(len(s.token_ids) for r in out for s in r.samples))
+    for engine in engines.values():
+        loop.run_until_complete(engine.close())
+    loop.close()
     res: dict[str, Any] = {"benchmark": "generate", "recipe": str(recipe), "overrides": overrides,
                            "device": policy.device, "threads": threads, "batches": batches,
                            "batch": f"{cfg.rollout.batch_prompts} prompts x {cfg.rollout.n_samples} samples, "
@@ -60,6 +72,23 @@ def measure(recipe: Path, overrides: list[str], *, batches: int, warmup: int, th
     return res
 
 
+def shape_recipe(shape: str, cache: Path) -> Path:
+    """A recipe file for ``--shape``: bench step's model folder and workload (16 x 8, 256 new tokens) on cuda."""
+    import torch
+    import yaml
+
+    from relax_hpc.bench.step import model_folder, recipe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    folder = model_folder(shape, cache, device)
+    ns = argparse.Namespace(shape=shape, warmup_steps=0, steps=1, attn="sdpa", gradient_checkpointing=False,
+                            prompts=16, samples=8, device=device, new_tokens=256, micro_batch_tokens=16384,
+                            checkpoint_every=1000, async_checkpoint=False)
+    path = cache / f"generate-{shape}.yaml"
+    path.write_text(yaml.safe_dump(recipe(folder, ns)))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     from relax_hpc.errors import ConfigError, UserError
 
@@ -71,9 +100,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=40, help="timed batches of each decoder")
     p.add_argument("--warmup", type=int, default=3, help="untimed batches first")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (a rollout worker's default is 1)")
+    p.add_argument("--shape", default=None, help="a Qwen3 shape of bench step (qwen3-0.6b, qwen3-4b ...): random "
+                   "weights, the real Qwen vocabulary, arithmetic prompts, 256 new tokens, on cuda (replaces --recipe)")
+    p.add_argument("--cache", default="~/.cache/relax-hpc/bench-step", help="model folders of --shape")
     a = p.parse_args(argv)
     if a.batches < 1 or a.warmup < 0 or a.threads < 1:
         p.error("--batches and --threads must be >= 1, --warmup >= 0")
+    engine = next((o.split("=", 1)[1] for o in reversed(a.overrides) if o.startswith("rollout.engine=")), "hf")
+    if engine in ("vllm", "sglang") and a.shape is None:  # a server engine: against the hf engine, same prompts
+        from relax_hpc.bench.engines import main as engines_main
+
+        return engines_main([*(["--json"] if a.json else []), "--recipe", a.recipe, "--batches", str(a.batches),
+                             "--warmup", str(a.warmup), "--threads", str(a.threads),
+                             *(x for o in a.overrides for x in ("--set", o))])
+    if a.shape is not None:
+        from relax_hpc.bench.step import SHAPES
+
+        if a.shape not in SHAPES:
+            p.error(f"--shape must be one of {', '.join(sorted(SHAPES))}")
+        a.recipe = str(shape_recipe(a.shape, Path(a.cache).expanduser()))
     recipe = Path(a.recipe)
     if not recipe.is_file():
         print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)

@@ -78,8 +78,9 @@ class SyntheticRun:
 
     def beat(self, procs: list[tuple[str, int]] | None = None) -> None:
         for p in procs or self.procs:
-            self.beats[p].beat(state="running", step=self.step if p[0] == "trainer" else None,
-                               version=max(0, self.step - (p[0] != "trainer")))
+            trainer = p == self.procs[0]
+            self.beats[p].beat(state="running", step=self.step if trainer else None,
+                               version=max(0, self.step - (not trainer)))
 
     def close(self) -> None:
         for log in self.logs.values():

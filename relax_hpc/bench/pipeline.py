@@ -58,6 +58,8 @@ from relax_hpc.bench.common import (
     report,
     run_guarded,
 )
+from relax_hpc.bench.gpus import GpuLayout, GpuSampler, one_role
+from relax_hpc.bench.step import SHAPES as STEP_SHAPES
 from relax_hpc.rundir import RunDir
 
 TIMING = ("trainer event-log timestamps from the end of step 1 to the end of the last step; process start-up, the "
@@ -134,7 +136,8 @@ def run_mode(recipe: Path, overrides: list[str], root: Path, *, timeout_s: float
         local.terminate(procs, timeout_s=30)
     if code == 130:  # interrupted: supervise stopped the roles
         raise KeyboardInterrupt
-    main = "colocate-0" if cfg.mode == "colocate" else "trainer-0"
+    from relax_hpc.roles.spec import main_proc  # the process logging the step metrics, from the role table
+    main = main_proc(cfg)
     recs = read_records(run_dir, main)
     steps = [r for r in recs if r.get("kind") == "metrics" and (r.get("step") or 0) >= 1
              and "perf/step_time" in r.get("metrics", {})]
@@ -276,57 +279,52 @@ def _mean(xs: list[float]) -> float:
 
 
 class GenWork:
-    """The rollout worker's per-step work, set up once from a finished run (its config and newest snapshot):
-    load the snapshot, generate one step's prompts, score them, write the groups to a store."""
+    """The rollout worker's per-step work, set up once from a finished run (its config and newest snapshot), on the
+    production path: an engine holding its own weights, the rollout driver. Per step: load the snapshot through
+    the engine's sink, generate one step's prompts, score them, write the groups to a store."""
 
     def __init__(self, run_dir: RunDir):
         import torch
 
+        from relax_hpc.models.load import load_tokenizer
         from relax_hpc.modes import components as C
         from relax_hpc.roles import load_run_config
-        from relax_hpc.weights import SnapshotReader, latest_version
+        from relax_hpc.weights import latest_version
 
         self.cfg = cfg = load_run_config(run_dir)
         torch.set_num_threads(cfg.launch.rollout.cpus_per_task)
         C.seed_everything(cfg.seed)
-        self.policy = C.build_policy(cfg, device_pref=cfg.rollout.device)
-        self.reader = SnapshotReader(run_dir, name="bench-alone")
+        self.run_dir = run_dir
+        self.tokenizer = load_tokenizer(cfg.model)
         self.version = latest_version(run_dir)
-        self.engine = C.build_engine(cfg, self.policy, seed=cfg.seed)
-        self.stream = C.build_prompt_stream(cfg, self.policy.tokenizer, seed_offset=1000)
-        self.rewards = C.build_reward_runner(cfg)
+        self.engine = C.build_engine(cfg, self.tokenizer, seed=cfg.seed)
+        self.stream = C.build_prompt_stream(cfg, self.tokenizer, seed_offset=1000)
+        self.rewards = C.build_reward_runner(cfg, engine=self.engine, tokenizer=self.tokenizer, name="bench")
 
     def run(self, store: RunDir, writer: str, *, iters: int, warmup: int) -> tuple[dict[str, float], dict[str, float]]:
         """Mean and median seconds per step of each phase over ``iters`` steps (after ``warmup``)."""
-        from relax_hpc.rollout.groups import build_groups, score_completions
+        from relax_hpc.rollout.driver import RolloutDriver
+        from relax_hpc.rollout.engine import SnapshotFolder
+        from relax_hpc.rollout.hf_engine import sampling_params
         from relax_hpc.store import ShardWriter
+        from relax_hpc.timing import PhaseTimer
 
-        cfg, tok = self.cfg, self.policy.tokenizer
-        shards = ShardWriter(store, writer)
+        cfg = self.cfg
+        driver = RolloutDriver(self.engine, self.tokenizer, self.rewards, writer_id=writer,
+                               sampling=sampling_params(cfg.rollout.sampling, cfg.rollout.n_samples),
+                               writer=ShardWriter(store, writer))
+        folder = SnapshotFolder(self.run_dir.snapshot(self.version), cfg.weights.verify)
         times: dict[str, list[float]] = {k: [] for k in ROLLOUT_PHASES}
-        P, n = cfg.rollout.prompts_per_step, cfg.rollout.n_samples
         for i in range(warmup + iters):
-            t: dict[str, float] = {}
-            t0 = time.perf_counter()
-            self.engine.version = self.reader.load_into(self.policy.model, self.version, verify=cfg.weights.verify)
-            _sync(self.policy.device)
-            t["weight_load"] = time.perf_counter() - t0
-            batch = self.stream.next_batch(P)
-            t0 = time.perf_counter()
-            completions = self.engine.generate([p.prompt_ids for p in batch], n,
-                                               multimodal=[p.multimodal for p in batch])
-            t["generate"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            _, scored = score_completions(self.rewards, tok, batch, completions)
-            t["reward"] = time.perf_counter() - t0
-            groups, _ = build_groups(batch, completions, scored, writer_id=writer, counter=i * P,
-                                     version=self.engine.version)
-            t0 = time.perf_counter()
-            shards.write(groups)
-            t["store_write"] = time.perf_counter() - t0
+            timer = PhaseTimer()
+            with timer.phase("weight_load"):
+                driver.call(self.engine.receive(self.version, folder))
+                _sync(str(getattr(self.engine, "device", "cpu")))
+            driver.run_batch(self.stream.next_batch(cfg.rollout.prompts_per_step), timer)
             if i >= warmup:
-                for k, v in t.items():
-                    times[k].append(v)
+                for k in times:
+                    times[k].append(timer.get(k))
+        driver.stop()
         return {k: _mean(v) for k, v in times.items()}, {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -355,8 +353,8 @@ class TrainWork:
     def run(self, store: RunDir, consumer: str, snapshots: RunDir, *, iters: int,
             warmup: int) -> tuple[dict[str, float], dict[str, float]]:
         """Mean and median seconds per step of each phase over ``iters`` steps (after ``warmup``)."""
-        from relax_hpc.rollout.groups import samples_to_items
         from relax_hpc.store import ConsumerGroup
+        from relax_hpc.trainer.items import samples_to_items
         from relax_hpc.trainer.prepare import prepare_items
         from relax_hpc.weights import SnapshotPublisher
 
@@ -422,16 +420,18 @@ def role_main(role: str, run_dir: RunDir, scratch: RunDir, *, iters: int, warmup
 
 
 def measure_roles(run_dir: RunDir, scratch: RunDir, *, gen_cpus: list[int], train_cpus: list[int], iters: int,
-                  warmup: int, timeout_s: float) -> dict[str, dict[str, dict[str, float]]]:
+                  warmup: int, timeout_s: float,
+                  env: dict[str, dict[str, str]] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """Each role's per-step work in a fresh process pinned like the role in the fully_async layout (same CPUs and
-    threads): alone, then both at once (see :func:`role_main`). ``{"gen"|"train": {"alone"|"corun": phases}}``."""
+    threads, and ``env[role]``: its GPU): alone, then both at once (see :func:`role_main`).
+    ``{"gen"|"train": {"alone"|"corun": phases}}``."""
     procs = {}
     for role, cpus in (("gen", gen_cpus), ("train", train_cpus)):
-        env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "PYTHONUNBUFFERED": "1"}
+        env_ = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "PYTHONUNBUFFERED": "1", **(env or {}).get(role, {})}
         cmd = [sys.executable, "-m", "relax_hpc.bench.pipeline", "--alone", role, "--run-dir", str(run_dir.root),
                "--scratch", str(scratch.root), "--iters", str(iters), "--warmup-iters", str(warmup),
                "--timeout-s", str(timeout_s)]
-        procs[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        procs[role] = subprocess.Popen(cmd, env=env_, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        preexec_fn=functools.partial(os.sched_setaffinity, 0, set(cpus)))
     deadline = time.monotonic() + timeout_s
     results = {}
@@ -517,6 +517,81 @@ def compute(colo: ModeRun, asy: ModeRun, roles: dict[str, dict[str, dict[str, fl
     return out
 
 
+def in_run_roles(asy: ModeRun, num_steps: int) -> dict[str, dict[str, dict[str, float]]]:
+    """``t_gen`` and ``t_train`` from the fully_async run itself, for layouts a single process cannot stand in
+    for (a trainer of several ranks): ``t_train`` = the median ``perf/train_time`` of the timed steps; ``t_gen`` =
+    the median generation time of one of rollout-0's batches x the batches of a step / the workers (the pool's
+    seconds of generation per step). Both roles ran at once: these are co-run times (no figure alone)."""
+    from relax_hpc.roles import load_run_config
+
+    cfg = load_run_config(asy.run_dir)
+    w = timed_window(asy, num_steps)
+    gens = [metric_value(r["metrics"], "rollout/generate_time") for _, r in clip_cycles(asy.rollout, w)]
+    batches = math.ceil(cfg.rollout.prompts_per_step / cfg.rollout.batch_prompts) / cfg.rollout.num_workers
+    t_gen = statistics.median(gens) * batches if gens else float("nan")
+    t_train = statistics.median(metric_value(r["metrics"], "perf/train_time") for r in w.steps)
+    gen, train = {"generate": t_gen}, {"train_compute": t_train}
+    return {"gen": {"alone": gen, "alone_median": gen, "corun": gen, "corun_median": gen},
+            "train": {"alone": train, "alone_median": train, "corun": train, "corun_median": train}}
+
+
+def _median_of(records: list[dict[str, Any]], key: str) -> float | None:
+    vals = [float(r["metrics"][key]) for r in records if key in r["metrics"]]
+    return statistics.median(vals) if vals else None
+
+
+def handover(run: ModeRun) -> dict[str, Any]:
+    """Weight hand-over per version of a fully_async run: the rollout worker's load time by path (the first load,
+    at start-up, left out), the trainer's publish time, the fast-path groups' backends (their rendezvous files)."""
+    loads = [r for r in sorted(run.rollout, key=lambda r: float(r["time"]))[1:]
+             if "rollout/generate_time" in r["metrics"]]
+    groups = {}
+    folder = run.run_dir.rendezvous
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        with contextlib.suppress(ValueError, OSError):
+            info = json.loads(path.read_text())
+            if path.stem.startswith("weights-"):  # a fast-path link (weights/fastpath.py link_name)
+                groups[path.stem] = info.get("backend")
+    return {"load_s_fast_median": _median_of(loads, "perf/update_weights_time_fast"),
+            "load_s_files_median": _median_of(loads, "perf/update_weights_time_file"),
+            "loads_fast": sum(1 for r in loads if "perf/update_weights_time_fast" in r["metrics"]),
+            "loads_files": sum(1 for r in loads if "perf/update_weights_time_file" in r["metrics"]),
+            "publish_s_median": _median_of(run.steps[1:], "perf/update_weights_time"),
+            "fast_path_backends": groups}
+
+
+def train_throughput(run: ModeRun, num_steps: int, *, params: int | None, peak_tflops: float) -> dict[str, Any]:
+    """Training tokens/s of a mode's trainer (median over the timed steps of ``train/tokens`` x data-parallel
+    replicas / ``perf/train_time``) and its MFU over the trainer's GPUs (6 x params x tokens/s / peak / GPUs)."""
+    from relax_hpc.roles import load_run_config
+
+    cfg = load_run_config(run.run_dir)
+    ranks = cfg.trainer.num_ranks
+    meg = cfg.trainer.megatron
+    replicas = ranks // (meg.tp * meg.pp) if cfg.trainer.backend == "megatron" else ranks
+    w = timed_window(run, num_steps)
+    rates = [metric_value(r["metrics"], "train/tokens") * replicas / metric_value(r["metrics"], "perf/train_time")
+             for r in w.steps if metric_value(r["metrics"], "perf/train_time") > 0]
+    tps = statistics.median(rates) if rates else float("nan")
+    mfu = 6 * params * tps / (peak_tflops * 1e12 * ranks) if params else None
+    return {"tokens_per_s": tps, "mfu": mfu, "trainer_ranks": ranks, "replicas": replicas,
+            "backend": cfg.trainer.backend, "tp": meg.tp if cfg.trainer.backend == "megatron" else 1}
+
+
+def gpu_busy(sampler: GpuSampler, runs: dict[str, ModeRun], num_steps: int,
+             layout: GpuLayout | None) -> dict[str, Any]:
+    """Each GPU's busy fraction over each mode's timed window, and the trainer / rollout GPUs' means."""
+    out: dict[str, Any] = {"sampled": sampler.available, "samples": len(sampler.samples)}
+    for mode, run in runs.items():
+        w = timed_window(run, num_steps)
+        out[mode] = busy = sampler.busy(w.start, w.end)
+        if busy and layout is not None and not one_role(mode):
+            for role, ids in (("trainer", layout.trainer), ("rollout", layout.rollout)):
+                vals = [busy[str(g)] for g in ids if str(g) in busy]
+                out[f"fully_async_{role}_mean"] = _mean(vals)
+    return out
+
+
 def disturbed(runs: dict[str, ModeRun], num_steps: int) -> list[str]:
     """Warnings for runs with steps far slower than their median: other load on the machine (a 2-thread colocate
     process suffers most: its threads wait for each other whenever another process takes one of the cores)."""
@@ -553,12 +628,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recipe", default=str(DEMO_RECIPE), help="recipe (default: recipes/demo.yaml)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="trainer.device and rollout.device of both modes (default: cpu, also on a GPU machine)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs to use (default 1: both roles share it). N >= 2: "
+                   "colocate with trainer.num_ranks=N (rank r on GPU r); fully_async with the trainer on "
+                   "--trainer-gpus and one rollout worker per --rollout-gpus GPU, NCCL fast path. With --device "
+                   "cpu the same layout runs on the CPU over gloo (a check of the command, no GPU figures)")
+    p.add_argument("--trainer-gpus", default=None, metavar="IDS", help="fully_async trainer GPUs, e.g. 0,1,2,3 "
+                   "(default: the first N // 2)")
+    p.add_argument("--rollout-gpus", default=None, metavar="IDS", help="fully_async rollout GPUs, one worker each "
+                   "(default: the GPUs the trainer does not use)")
+    p.add_argument("--shape", default=None, choices=sorted(STEP_SHAPES), help="a Qwen3 shape of bench step "
+                   "(random weights, real vocabulary, arithmetic prompts, its batch) instead of --recipe")
+    p.add_argument("--cache", default="~/.cache/relax-hpc/bench-step", help="--shape: model folders, tokenizer")
+    p.add_argument("--handover-files", action="store_true", help="also a fully_async run with weights.fast_path="
+                   "off: the hand-over through the snapshot files, against the fast path")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU for the trainer's "
+                   "MFU (H100/H200 SXM: 989; with --shape)")
     p.add_argument("--cores", default=None, help="two CPU ids A,B: trainer on A, rollout on B (default: the first two)")
     p.add_argument("--out", default=None, help="folder for the run dirs (default: a new temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs (and write result.json beside them)")
     p.add_argument("--alone-iters", type=int, default=20, help="steps of each role measured alone")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="limit for each run")
     # internal: one role's per-step work in a pinned process (see measure_roles)
+    p.add_argument("--gpu-query", default="nvidia-smi", help=argparse.SUPPRESS)  # the busy sampler's command
     p.add_argument("--alone", choices=("gen", "train"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--scratch", default=None, help=argparse.SUPPRESS)
@@ -579,50 +670,103 @@ def _alone_main(a: argparse.Namespace) -> int:
     return 0
 
 
+def shape_recipe(a: argparse.Namespace, root: Path) -> tuple[Path, int]:
+    """``--shape``: bench step's model folder (made once under ``--cache``) and its recipe, written to ``root``;
+    (the recipe, the model's parameters)."""
+    import yaml
+
+    from relax_hpc.bench import step
+
+    folder = step.model_folder(a.shape, Path(a.cache).expanduser(), a.device)
+    rec = step.recipe(folder, step.parse_args(["--shape", a.shape, "--device", a.device]))
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    return path, step.count_params(folder)
+
+
+def check_inputs(a: argparse.Namespace) -> tuple[list[int], GpuLayout | None]:
+    """The CPUs and the GPU layout the arguments name (ValueError: the reason they do not fit)."""
+    cores = [int(c) for c in a.cores.split(",")] if a.cores else default_cores()
+    if len(cores) != 2 or cores[0] == cores[1]:
+        raise ValueError("--cores takes two different CPU ids, e.g. 0,1")
+    layout = GpuLayout.parse(a.gpus, a.trainer_gpus, a.rollout_gpus) if a.gpus > 1 else None
+    if a.gpus < 1:
+        raise ValueError("--gpus must be >= 1")
+    return cores, layout
+
+
+def run_all(a: argparse.Namespace, recipe: Path, common: list[str], cores: list[int], layout: GpuLayout | None,
+            dirs: ScratchDirs, params: int | None = None) -> dict[str, Any]:
+    """Both modes (and the files-only hand-over run), the roles' own times, every figure."""
+    cpus = len(os.sched_getaffinity(0))
+
+    def overrides(mode: str) -> list[str]:
+        placed = layout.overrides(mode) + layout.threads(mode, cpus) if layout else layout_overrides(mode, cores)
+        return common + placed + a.overrides  # the user's --set last: they win
+
+    res: dict[str, Any] = {
+        "benchmark": "pipeline", "recipe": str(recipe), "shape": a.shape, "overrides": common + a.overrides,
+        "machine": machine(), "cores": cores, "device": a.device, "gpus": a.gpus,
+        "layout": layout.describe() if layout else {
+            "colocate": f"1 process on cpus {cores}, 2 threads",
+            "fully_async": f"trainer on cpu {cores[0]}, 1 rollout worker on cpu {cores[1]}, 1 thread each"},
+        "load_average_before": list(os.getloadavg())}
+    sampler = GpuSampler(command=a.gpu_query)
+    with sampler:
+        runs = {mode: run_mode(recipe, overrides(mode), dirs.new(mode), timeout_s=a.timeout_s)
+                for mode in ("colocate", "fully_async")}
+        files = (run_mode(recipe, [*overrides("fully_async"), "weights.fast_path=off"], dirs.new("files"),
+                          timeout_s=a.timeout_s) if a.handover_files else None)
+    if layout is None or len(layout.trainer) == 1:
+        scratch = RunDir.create(dirs.new("alone"), name="bench-alone")
+        env = {r: layout.env(r) for r in ("gen", "train")} if layout else None
+        roles = measure_roles(runs["fully_async"].run_dir, scratch, gen_cpus=[cores[1]], train_cpus=[cores[0]],
+                              iters=a.alone_iters, warmup=3, timeout_s=a.timeout_s, env=env)
+        res["role_times"] = "alone: each role in its own process, measured after the runs"
+    else:
+        roles = in_run_roles(runs["fully_async"], a.steps)
+        res["role_times"] = "in-run: from the fully_async run's own metrics (co-run, a trainer of several ranks)"
+    res.update(compute(runs["colocate"], runs["fully_async"], roles, num_steps=a.steps))
+    res["gpu_busy"] = gpu_busy(sampler, runs, a.steps, layout)
+    res["params"] = params
+    res["train_throughput"] = {m: train_throughput(r, a.steps, params=params, peak_tflops=a.peak_tflops)
+                               for m, r in runs.items()}
+    res["handover"] = {"fast_path_run": handover(runs["fully_async"])}
+    if files is not None:
+        res["handover"]["files_run"] = handover(files)
+        res["handover"]["files_run_seconds"] = timed_window(files, a.steps).seconds
+    res["load_average_after"] = list(os.getloadavg())
+    res["warnings"] = [f"{m}: the trainer side exited with code {r.exit_code} after logging every step"
+                       + ("" if r.finished else " (no 'finished' event)")
+                       for m, r in runs.items() if r.exit_code != 0] + disturbed(runs, a.steps)
+    if a.keep:
+        res["run_dirs"] = {m: str(dirs.root / m) for m in ("colocate", "fully_async", "alone", "files")}
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.alone:
         return _alone_main(a)
     signal.signal(signal.SIGTERM, interrupt)  # stop our role processes and clean up, as on Ctrl-C
     recipe = Path(a.recipe)
-    if not recipe.is_file():
+    if not a.shape and not recipe.is_file():
         print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
         return 2
     try:
-        cores = [int(c) for c in a.cores.split(",")] if a.cores else default_cores()
+        cores, layout = check_inputs(a)
     except ValueError as exc:
-        print(f"error: --cores: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    if len(cores) != 2 or cores[0] == cores[1]:
-        print("error: --cores takes two different CPU ids, e.g. 0,1", file=sys.stderr)
-        return 2
-    common = [f"num_steps={a.steps}"]
-    if a.device:
-        common += [f"trainer.device={a.device}", f"rollout.device={a.device}"]
-    if a.device == "cuda":  # both roles share one GPU: NCCL refuses two ranks on one device, gloo goes via the host
+    common = [f"num_steps={a.steps}", f"trainer.device={a.device}", f"rollout.device={a.device}"]
+    if a.device == "cuda" and layout is None:  # both roles share one GPU: NCCL refuses two ranks on one device
         common.append("weights.fast_path=gloo")
-    common += a.overrides
     dirs = ScratchDirs(a.out, keep=a.keep, prefix="relax-bench-pipeline-")
 
     def body() -> dict[str, Any]:
-        res: dict[str, Any] = {
-            "benchmark": "pipeline", "recipe": str(recipe), "overrides": common, "machine": machine(), "cores": cores,
-            "layout": {"colocate": f"1 process on cpus {cores}, 2 threads",
-                       "fully_async": f"trainer on cpu {cores[0]}, 1 rollout worker on cpu {cores[1]}, 1 thread each"},
-            "load_average_before": list(os.getloadavg())}
-        runs = {mode: run_mode(recipe, common + layout_overrides(mode, cores), dirs.new(mode), timeout_s=a.timeout_s)
-                for mode in ("colocate", "fully_async")}
-        scratch = RunDir.create(dirs.new("alone"), name="bench-alone")
-        roles = measure_roles(runs["fully_async"].run_dir, scratch, gen_cpus=[cores[1]], train_cpus=[cores[0]],
-                              iters=a.alone_iters, warmup=3, timeout_s=a.timeout_s)
-        res.update(compute(runs["colocate"], runs["fully_async"], roles, num_steps=a.steps))
-        res["load_average_after"] = list(os.getloadavg())
-        res["warnings"] = [f"{m}: the trainer side exited with code {r.exit_code} after logging every step"
-                           + ("" if r.finished else " (no 'finished' event)")
-                           for m, r in runs.items() if r.exit_code != 0] + disturbed(runs, a.steps)
-        if a.keep:
-            res["run_dirs"] = {m: str(dirs.root / m) for m in ("colocate", "fully_async", "alone")}
-        return res
+        rec, params = shape_recipe(a, dirs.new("recipe")) if a.shape else (recipe, None)
+        return run_all(a, rec, common, cores, layout, dirs, params)
 
     res = run_guarded(body, dirs)
     if isinstance(res, int):

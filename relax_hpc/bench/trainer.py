@@ -1,5 +1,9 @@
 """``relax-hpc bench trainer``: tokens/s and padding of the torch trainer vs plain HF fwd+bwd, same run, same data.
 
+``--backend megatron`` adds the megatron backend (megatron-core, TP=1, one rank) on the same sequences after the
+torch backend, and prints tokens/s, MFU and peak memory of both (GPU: ``torch.cuda.max_memory_allocated`` of each
+phase; CPU: the process's peak RSS after each phase, cumulative; MFU only on a GPU or with ``--peak-tflops``).
+
 Data: ``--batch`` sequences with lengths drawn uniformly in [seq_len/2, seq_len] (RL responses vary), a quarter
 prompt, the rest response. Baseline: plain HF ``model(input_ids, labels)`` fwd+bwd + AdamW on right-padded
 [batch, max_len] tensors (what most RL trainers do per micro-batch). Ours: :meth:`TorchTrainer.train_step` on the
@@ -23,6 +27,8 @@ SHAPES = {
              "vocab": 18, "max_position": 4096},
     "qwen3-0.6b": {"hidden_size": 1024, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8,
                    "intermediate_size": 3072, "vocab": 151936, "max_position": 40960},
+    "qwen3-4b": {"hidden_size": 2560, "num_layers": 36, "num_heads": 32, "num_kv_heads": 8,
+                 "intermediate_size": 9728, "vocab": 151936, "max_position": 40960},
 }
 
 
@@ -69,16 +75,10 @@ def bench_plain_hf(model: Any, lengths: list[int], vocab: int, device: str, iter
     return {"tokens_per_s": real / dt, "step_s": dt, "padding_fraction": 1 - real / (B * L)}
 
 
-def bench_ours(model: Any, lengths: list[int], vocab: int, device: str, iters: int, micro_tokens: int) -> dict:
-    import torch
-
-    from relax_hpc.algorithms.registry import get_algorithm
-    from relax_hpc.config.load import validate_dict
+def make_items(lengths: list[int], vocab: int) -> list[Any]:
+    """The GRPO train items of the benchmark: a quarter prompt, the rest response, random advantages."""
     from relax_hpc.trainer.batch import TrainItem
-    from relax_hpc.trainer.torch_trainer import TorchTrainer
 
-    cfg = validate_dict({"data": {"task": {"name": "reverse_digits"}},
-                         "trainer": {"lr": 1e-5, "micro_batch_tokens": micro_tokens, "device": "cpu"}})
     rng = np.random.default_rng(1)
     items = []
     for n in lengths:
@@ -86,8 +86,19 @@ def bench_ours(model: Any, lengths: list[int], vocab: int, device: str, iters: i
         items.append(TrainItem(prompt_ids=rng.integers(3, vocab, p), response_ids=rng.integers(3, vocab, n - p),
                                rollout_logprobs=np.full(n - p, -3.0, dtype=np.float32), loss_mask=np.ones(n - p),
                                advantage=float(rng.normal())))
-    tr = TorchTrainer(cfg, model, device=device, dtype=next(model.parameters()).dtype,
-                      algorithm=get_algorithm("grpo"))
+    return items
+
+
+def _bench_cfg(micro_tokens: int, backend: str) -> Any:
+    from relax_hpc.config.load import validate_dict
+
+    return validate_dict({"data": {"task": {"name": "reverse_digits"}},
+                          "trainer": {"lr": 1e-5, "micro_batch_tokens": micro_tokens, "device": "cpu",
+                                      "backend": backend}})
+
+
+def bench_backend(tr: Any, items: list[Any], device: str, iters: int) -> dict[str, Any]:
+    """tokens/s of ``tr.train_step(items)`` (a trainer backend)."""
     box: dict[str, Any] = {}
 
     def step() -> None:
@@ -95,9 +106,51 @@ def bench_ours(model: Any, lengths: list[int], vocab: int, device: str, iters: i
 
     dt = _timed(step, iters, device)
     m = box["m"]
-    del torch
-    return {"tokens_per_s": sum(lengths) / dt, "step_s": dt, "padding_fraction": m["train/padding_fraction"],
-            "micro_batches": m["train/num_micro_batches"]}
+    return {"tokens_per_s": sum(it.num_tokens for it in items) / dt, "step_s": dt,
+            "padding_fraction": m["train/padding_fraction"], "micro_batches": m["train/num_micro_batches"]}
+
+
+def bench_ours(model: Any, lengths: list[int], vocab: int, device: str, iters: int, micro_tokens: int) -> dict:
+    from relax_hpc.algorithms.registry import get_algorithm
+    from relax_hpc.trainer.torch_trainer import TorchTrainer
+
+    tr = TorchTrainer(_bench_cfg(micro_tokens, "torch"), model, device=device, dtype=next(model.parameters()).dtype,
+                      algorithm=get_algorithm("grpo"))
+    return bench_backend(tr, make_items(lengths, vocab), device, iters)
+
+
+def bench_megatron(model: Any, lengths: list[int], vocab: int, device: str, iters: int, micro_tokens: int) -> dict:
+    """The megatron backend (TP=1, one in-process rank) built from ``model``'s weights (moved to the CPU first, so
+    the phase's peak memory is the megatron model's own)."""
+    from relax_hpc.algorithms.registry import get_algorithm
+    from relax_hpc.trainer.megatron.backend import build
+
+    dtype = next(model.parameters()).dtype
+    for p in model.parameters():
+        p.grad = None
+    model.to("cpu")
+    tr = build(_bench_cfg(micro_tokens, "megatron"), rank=0, world_size=1, device=device, dtype=dtype,
+               algorithm=get_algorithm("grpo"), tokenizer=None, model=model)
+    return bench_backend(tr, make_items(lengths, vocab), device, iters)
+
+
+def _peak_memory_gb(device: str) -> float:
+    """The phase's peak device memory (GPU), or the process's peak RSS so far (CPU)."""
+    import resource
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _reset_peak(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _timed(fn: Any, iters: int, device: str) -> float:
@@ -126,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=None)
     p.add_argument("--attn", default=None, help="attention kernel of our trainer (default: flex_attention on GPU, "
                    "sdpa on CPU); the plain HF baseline always uses sdpa")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100/H200: 989)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak for MFU (default on a GPU: 989, H100/H200; on the CPU no MFU unless given)")
+    p.add_argument("--backend", choices=["torch", "megatron"], default="torch",
+                   help="megatron: also the megatron backend (TP=1) on the same data, after the torch backend")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -141,12 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     model = build(shape, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     plain = bench_plain_hf(model, lengths, vocab, device, iters)
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    _reset_peak(device)
     attn = a.attn or ("flex_attention" if cuda else "sdpa")
     model.set_attn_implementation(attn)
     ours = bench_ours(model, lengths, vocab, device, iters, micro)
+    ours["peak_memory_gb"] = _peak_memory_gb(device)
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "shape": shape, "params": n_params,
         "batch": batch, "seq_len": seq_len, "real_tokens": sum(lengths),
@@ -155,11 +210,19 @@ def main(argv: list[str] | None = None) -> int:
         "plain_hf_padding_fraction": plain["padding_fraction"],
         "speedup_vs_plain_hf": ours["tokens_per_s"] / plain["tokens_per_s"], "attn_implementation": attn,
     }
-    if cuda:
-        peak = a.peak_tflops * 1e12
+    peak = (a.peak_tflops or 989.0) * 1e12 if cuda or a.peak_tflops else None
+    if peak:
         out["mfu"] = 6 * n_params * ours["tokens_per_s"] / peak
         out["plain_hf_mfu"] = 6 * n_params * plain["tokens_per_s"] / peak
-        out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    out["peak_memory_gb" if cuda else "peak_rss_gb"] = ours["peak_memory_gb"]
+    if a.backend == "megatron":
+        _reset_peak(device)
+        meg = bench_megatron(model, lengths, vocab, device, iters, micro)
+        out.update({"megatron_tokens_per_s": meg["tokens_per_s"], "megatron_micro_batches": meg["micro_batches"],
+                    "megatron_vs_torch": meg["tokens_per_s"] / ours["tokens_per_s"],
+                    ("megatron_peak_memory_gb" if cuda else "megatron_peak_rss_gb"): _peak_memory_gb(device)})
+        if peak:
+            out["megatron_mfu"] = 6 * n_params * meg["tokens_per_s"] / peak
     if a.json:
         print(json.dumps(out, indent=1))
     else:

@@ -37,11 +37,13 @@ def _setup_logging(verbose: int) -> None:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relax-hpc", description=__doc__.splitlines()[0] if __doc__ else None)
+    from relax_hpc.cli.args import OneLineParser
+
+    parser = OneLineParser(prog="relax-hpc", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"relax-hpc {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         if only is None or only == name:
@@ -56,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = next((a for a in argv if not a.startswith("-")), None)
     try:
         parser = build_parser(only=cmd if cmd in COMMANDS else None)
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help, --version (0) or a bad flag (2, one error line printed)
+            return int(exc.code or 0) if not isinstance(exc.code, str) else 2
         if not args.command:
             parser.print_help()
             return 2

@@ -15,6 +15,11 @@ BENCHES = {
     "generate": "the hf engine's sampling loop vs transformers generate",
     "monitor": "monitor refresh time on a large run",
     "slurm": "submit and status latency against a real Slurm",
+    "chaos": "random SIGKILLs, requeues and step cancels of fully_async runs on Slurm; the store's accounting",
+    "preprocess": "media preprocessing in the processor pool vs inline, and the rollout wait for it",
+    "engines": "a server engine (vllm, sglang) vs the hf engine, same prompts, tokens/s",
+    "weights": "server engine weight-update latency per path and the generation pause it causes",
+    "step": "the colocate loop on a real model shape on one GPU, with TRL and transformers.generate",
 }
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+from relax_hpc.cli.args import seconds
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run (or sweep) directory")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the jobs/processes to end "
-                   "(local processes still alive then get SIGKILL; default 30)")
+    p.add_argument("--timeout", type=seconds(allow_zero=True), default=30.0,
+                   help="seconds to wait for the jobs/processes to end (local processes still alive then get "
+                   "SIGKILL; default 30)")
     p.add_argument("--no-wait", action="store_true", help="return after sending the cancel")
 
 

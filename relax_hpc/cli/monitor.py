@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from relax_hpc.cli.args import seconds
 from relax_hpc.errors import UserError
 
 
@@ -16,8 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a run dir, or a sweep dir (sub-folders that are run dirs and/or sweep.json)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit (implies --once)")
-    p.add_argument("--interval", type=float, default=2.0, metavar="S", help="refresh period in seconds (default 2)")
-    p.add_argument("--duration", type=float, default=None, metavar="S",
+    p.add_argument("--interval", type=seconds(), default=2.0, metavar="S", help="refresh period in seconds (default 2)")
+    p.add_argument("--duration", type=seconds(), default=None, metavar="S",
                    help="stop the live view after S seconds (default: until Ctrl-C)")
     p.add_argument("--no-alerts", action="store_true", help="do not fire alerts from the live view")
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 
+from relax_hpc.cli.args import seconds
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--rollout", type=int, required=True, metavar="N", help="number of rollout workers wanted")
-    p.add_argument("--timeout", type=float, default=300.0,
+    p.add_argument("--timeout", type=seconds(), default=300.0,
                    help="seconds drained workers get to finish their batch before they are cancelled (default 300)")
     p.add_argument("--no-wait", action="store_true", help="ask workers to drain and return at once")
 

@@ -79,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
 
     check_backends(cfg)
     executor = pick_executor(args.executor or cfg.launch.executor)
+    from relax_hpc.config.preflight import preflight, start_warnings
+
+    preflight(cfg, executor=executor)  # before any process starts or the run dir is created
+    for warning in start_warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     run_dir, cfg = prepare_run_dir(args, cfg)
     print(f"run dir: {run_dir.root}")
     if executor == "slurm":

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from relax_hpc.cli.args import seconds
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipe YAML file")
@@ -23,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-dir", default=None, help="where the sweep lives (default: sweeps/<name>-<time>)")
     p.add_argument("--executor", choices=("auto", "local", "slurm"), default="auto",
                    help="auto: Slurm when it answers, else local processes")
-    p.add_argument("--timeout", type=float, default=86_400.0, help="local sweeps: stop after this many seconds")
+    p.add_argument("--timeout", type=seconds(), default=86_400.0, help="local sweeps: stop after this many seconds")
 
 
 def run(args: argparse.Namespace) -> int:

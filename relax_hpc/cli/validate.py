@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipe YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set algorithm.clip_high=0.28 (repeatable)")
+    p.add_argument("--executor", choices=("auto", "local", "slurm"), default=None,
+                   help="where the run would go, for the device checks (default: the recipe's launch.executor)")
+    p.add_argument("--no-preflight", action="store_true",
+                   help="check the recipe only; do not open the model, tokenizer and data")
     p.add_argument("--print", dest="print_config", action="store_true", help="print the resolved config as JSON")
 
 
@@ -17,6 +22,12 @@ def run(args: argparse.Namespace) -> int:
     from relax_hpc.config.load import config_to_json, load_recipe
 
     cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
+    if not args.no_preflight:
+        from relax_hpc.config.preflight import preflight, start_warnings
+
+        preflight(cfg, executor=args.executor or cfg.launch.executor)
+        for warning in start_warnings(cfg):
+            print(f"warning: {warning}", file=sys.stderr)
     if args.print_config:
         print(json.dumps(config_to_json(cfg), indent=2))
     else:

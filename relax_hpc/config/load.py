@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 import copy
+import stat
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.config.yamlsafe import MAX_RECIPE_BYTES, decode_recipe, load_yaml_text
 from relax_hpc.errors import ConfigError
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``algorithm.lr=1e-6`` -> (["algorithm", "lr"], 1e-06). The value is parsed as a YAML scalar/flow value."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key.path=value")
+        raise ConfigError(f"override {short_repr(text)} is not of the form key.path=value")
     key, raw = text.split("=", 1)
     parts = [p for p in key.strip().split(".")]
     if not key.strip() or any(not p for p in parts):
-        raise ConfigError(f"override {text!r} has an empty key")
+        raise ConfigError(f"override {short_repr(text)} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = load_yaml_text(raw, where=f"override {short_repr(key)}") if raw.strip() else ""
+    except ConfigError:
         value = raw
     return parts, value
 
@@ -39,7 +40,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if child is None:
                 child = node[p] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {'.'.join(parts[:-1])} is not a section")
+                raise ConfigError(f"override {short_repr(text)}: {'.'.join(parts[:-1])} is not a section")
             node = child
         node[parts[-1]] = value
     return out
@@ -60,6 +61,29 @@ def _fields_of(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None
     return None
 
 
+ECHO_CAP = 200
+"""Longest echo of a user's value in an error line (a 5 MB scalar must not come back as a 5 MB message)."""
+
+
+def short_repr(value: Any, cap: int = ECHO_CAP) -> str:
+    """``repr(value)`` cut to ``cap`` characters (with the full length said)."""
+    if isinstance(value, (str, bytes)) and len(value) > cap:
+        return f"{value[:cap]!r}... ({len(value)} chars)"
+    text = reprlib_repr(value)
+    return text if len(text) <= cap else f"{text[:cap]}..."
+
+
+def reprlib_repr(value: Any) -> str:
+    """A repr that never builds a huge string for a huge container (an expanded YAML alias tree)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = ECHO_CAP + 10
+    r.maxlist = r.maxdict = r.maxtuple = r.maxset = 12
+    r.maxlevel = 4
+    return r.repr(value)
+
+
 def format_validation_error(exc: ValidationError, model: type[BaseModel] = RecipeConfig) -> list[str]:
     """One line per problem: ``algorithm.lr: Input should be greater than 0 (got -1)``."""
     lines = []
@@ -75,7 +99,9 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel] = Recip
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         got = err.get("input")
-        suffix = f" (got {got!r})" if err["type"] not in ("missing",) and not isinstance(got, dict) else ""
+        echoed = str(got)[:20] in msg  # the validator's message already shows the value
+        suffix = (f" (got {short_repr(got)})" if err["type"] not in ("missing",) and not isinstance(got, dict)
+                  and not echoed else "")
         lines.append(f"{where}: {msg}{suffix}")
     return lines
 
@@ -93,15 +119,22 @@ def validate_dict(data: dict[str, Any]) -> RecipeConfig:
 def read_recipe_file(path: Path | str) -> dict[str, Any]:
     """Read a recipe YAML file into a mapping (relative data paths are resolved against its folder)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"recipe {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{path}:{where}: malformed YAML: {problem}") from None
+        st = path.stat()
+    except OSError as exc:
+        why = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc.strerror or exc})"
+        raise ConfigError(f"recipe {short_repr(str(path))} {why}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"recipe {path} is a folder, not a YAML file")
+    try:
+        size = st.st_size
+        if size > MAX_RECIPE_BYTES:
+            raise ConfigError(f"{path}: {size} bytes is too large for a recipe (at most {MAX_RECIPE_BYTES}); "
+                              "recipes hold settings, data belongs in data.path")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read recipe {path}: {exc.strerror or exc}") from None
+    data = load_yaml_text(decode_recipe(raw, path), where=str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping of sections")
     data_section = data.get("data")

@@ -1,5 +1,6 @@
-"""Images and audios named by data rows: resolve the references, then decode them (PIL for images, a small WAV reader
-for audio, so no audio library is needed).
+"""Images, audios and videos named by data rows: resolve the references, then decode them with well-kept libraries
+(PIL for images; libsndfile through ``soundfile`` for WAV/FLAC/OGG/MP3 audio, FFmpeg through PyAV for any other
+container and for video, see :mod:`relax_hpc.data.video`; resampling by FFmpeg's libswresample through PyAV).
 
 A reference is a path (relative to the data file's folder), a dict with ``bytes`` (and/or ``path``) as HF
 ``datasets`` stores images and audios in Parquet, or for audio a dict with ``array`` and ``sampling_rate``.
@@ -8,13 +9,17 @@ A reference is a path (relative to the data file's folder), a dict with ``bytes`
 from __future__ import annotations
 
 import io
-import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from relax_hpc.errors import UserError
+
+
+class MediaError(UserError):
+    """A media item that cannot be used (missing file, corrupt or truncated data, no frames, no samples): the row
+    or sample is skipped and counted, the run goes on."""
 
 MediaRef = Path | bytes | tuple[np.ndarray, int]
 """A resolved reference: a file, encoded bytes, or (decoded float32 samples, sampling rate)."""
@@ -33,7 +38,7 @@ def resolve_ref(ref: Any, base_dir: Path, origin: str, kind: str) -> MediaRef:
     p = Path(ref).expanduser()
     p = p if p.is_absolute() else base_dir / p
     if not p.is_file():
-        raise UserError(f"{origin}: {kind} file {p} does not exist")
+        raise MediaError(f"{origin}: {kind} file {p} does not exist")
     return p
 
 
@@ -48,8 +53,8 @@ def load_image(ref: MediaRef) -> Any:
     try:
         with Image.open(_open(ref)) as im:  # type: ignore[arg-type]
             return im.convert("RGB")
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read image {_name(ref)}: {exc}") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise MediaError(f"cannot read image {_name(ref)}: {exc}") from None
 
 
 def image_size(ref: MediaRef) -> tuple[int, int]:
@@ -59,8 +64,8 @@ def image_size(ref: MediaRef) -> tuple[int, int]:
     try:
         with Image.open(_open(ref)) as im:  # type: ignore[arg-type]
             w, h = im.size
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read image {_name(ref)}: {exc}") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise MediaError(f"cannot read image {_name(ref)}: {exc}") from None
     return h, w
 
 
@@ -69,73 +74,88 @@ def _name(ref: MediaRef) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ audio
-def _decode_wav(data: bytes, name: str) -> tuple[np.ndarray, int]:
-    """RIFF/WAVE with PCM (8/16/24/32-bit) or IEEE float (32/64-bit) samples -> (float32 [frames, channels], rate)."""
-    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-        raise UserError(f"{name} is not a WAV file (RIFF/WAVE)")
-    fmt = None
-    pos = 12
-    while pos + 8 <= len(data):
-        cid, size = data[pos:pos + 4], struct.unpack("<I", data[pos + 4:pos + 8])[0]
-        body = data[pos + 8:pos + 8 + size]
-        if cid == b"fmt ":
-            tag, channels, rate, _, _, bits = struct.unpack("<HHIIHH", body[:16])
-            if tag == 0xFFFE and len(body) >= 26:  # WAVE_FORMAT_EXTENSIBLE: the sub-format GUID starts with the tag
-                tag = struct.unpack("<H", body[24:26])[0]
-            fmt = (tag, channels, rate, bits)
-        elif cid == b"data":
-            if fmt is None:
-                raise UserError(f"{name}: WAV data chunk before its fmt chunk")
-            return _samples(body, *fmt, name=name), fmt[2]
-        pos += 8 + size + (size & 1)
-    raise UserError(f"{name}: WAV file without a data chunk")
+def _decode_soundfile(ref: Path | bytes) -> tuple[np.ndarray, int] | None:
+    """(float32 [frames, channels], rate) through libsndfile, or None when it does not know the format."""
+    import soundfile as sf
+
+    try:
+        x, rate = sf.read(_open(ref), dtype="float32", always_2d=True)
+    except sf.LibsndfileError:
+        return None
+    except (RuntimeError, TypeError, ValueError, OSError):
+        return None
+    return x, int(rate)
 
 
-def _samples(body: bytes, tag: int, channels: int, rate: int, bits: int, *, name: str) -> np.ndarray:
-    width = bits // 8
-    body = body[:len(body) - len(body) % (width * channels)]
-    if tag == 3 and bits in (32, 64):
-        x = np.frombuffer(body, dtype=f"<f{width}").astype(np.float32)
-    elif tag == 1 and bits == 8:
-        x = (np.frombuffer(body, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
-    elif tag == 1 and bits in (16, 32):
-        x = np.frombuffer(body, dtype=f"<i{width}").astype(np.float32) / float(2 ** (bits - 1))
-    elif tag == 1 and bits == 24:
-        b = np.frombuffer(body, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
-        v = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-        x = (np.where(v >= 1 << 23, v - (1 << 24), v)).astype(np.float32) / float(1 << 23)
-    else:
-        raise UserError(f"{name}: unsupported WAV encoding (format {tag}, {bits} bits); use PCM or float WAV")
-    return x.reshape(-1, channels)
+def _decode_av(ref: Path | bytes) -> tuple[np.ndarray, int]:
+    """(float32 [frames, channels], rate) of the first audio stream through FFmpeg (PyAV)."""
+    import av
+
+    try:
+        with av.open(_open(ref) if isinstance(ref, bytes) else str(ref)) as container:  # type: ignore[arg-type]
+            if not container.streams.audio:
+                raise MediaError(f"{_name(ref)} has no audio stream")
+            stream = container.streams.audio[0]
+            rate = int(stream.rate or stream.codec_context.sample_rate)
+            chunks = []
+            for frame in container.decode(stream):
+                a = frame.to_ndarray().astype(np.float32)  # [channels, n] (planar) or [1, n * channels] (packed)
+                channels = len(frame.layout.channels)
+                chunks.append(a.reshape(channels, -1) if frame.format.is_planar else a.reshape(-1, channels).T)
+    except av.FFmpegError as exc:
+        raise MediaError(f"cannot decode audio {_name(ref)}: {exc}") from None
+    if not chunks:
+        return np.zeros((0, 1), dtype=np.float32), rate
+    return np.concatenate(chunks, axis=1).T, rate
+
+
+def decode_audio(ref: MediaRef) -> tuple[np.ndarray, int]:
+    """(float32 samples [frames, channels], native rate): libsndfile first (WAV/FLAC/OGG/MP3), FFmpeg for the rest."""
+    if isinstance(ref, tuple):
+        x = np.asarray(ref[0], dtype=np.float32)
+        return (x.reshape(len(x), -1) if x.ndim > 1 else x[:, None]), int(ref[1])
+    got = _decode_soundfile(ref)
+    return got if got is not None else _decode_av(ref)
+
+
+def resample(mono: np.ndarray, rate: int, sampling_rate: int) -> np.ndarray:
+    """``mono`` float32 samples from ``rate`` to ``sampling_rate`` (FFmpeg's libswresample through PyAV)."""
+    if rate == sampling_rate or mono.size == 0:
+        return mono.astype(np.float32)
+    import av
+
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=sampling_rate)
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(mono, dtype=np.float32)[None, :], format="flt",
+                                       layout="mono")
+    frame.sample_rate = rate
+    out = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
+    return np.concatenate(out, axis=1)[0].astype(np.float32) if out else np.zeros(0, dtype=np.float32)
 
 
 def load_audio(ref: MediaRef, sampling_rate: int) -> np.ndarray:
-    """Mono float32 samples at ``sampling_rate`` (channels averaged; resampled with scipy's polyphase filter when
-    scipy is installed, else by linear interpolation)."""
-    if isinstance(ref, tuple):
-        x, rate = np.asarray(ref[0], dtype=np.float32), ref[1]
-        x = x.reshape(len(x), -1) if x.ndim > 1 else x[:, None]
-    else:
-        data = ref if isinstance(ref, bytes) else Path(ref).read_bytes()
-        x, rate = _decode_wav(data, _name(ref))
-    mono = x.mean(axis=1)
-    if rate == sampling_rate or mono.size == 0:
-        return mono.astype(np.float32)
-    try:
-        from math import gcd
+    """Mono float32 samples at ``sampling_rate`` (channels averaged). An audio of zero length, or one that cannot
+    be decoded, raises :class:`MediaError`."""
+    x, rate = decode_audio(ref)
+    if x.size == 0:
+        raise MediaError(f"audio {_name(ref)} has no samples")
+    return resample(x.mean(axis=1), rate, sampling_rate)
 
-        from scipy.signal import resample_poly
 
-        g = gcd(rate, sampling_rate)
-        return resample_poly(mono, sampling_rate // g, rate // g).astype(np.float32)
-    except ImportError:
-        n = round(mono.size * sampling_rate / rate)
-        return np.interp(np.arange(n) * (rate / sampling_rate), np.arange(mono.size), mono).astype(np.float32)
+def write_audio(path: Path | str, samples: np.ndarray, sampling_rate: int) -> None:
+    """Write mono float samples in [-1, 1]; the format follows the suffix (.wav: 16-bit PCM, .flac, .ogg: Vorbis,
+    .mp3) through libsndfile (for fixtures and the examples)."""
+    import soundfile as sf
+
+    suffix = Path(path).suffix.lower()
+    subtype = {".wav": "PCM_16", ".flac": "PCM_16", ".ogg": "VORBIS", ".mp3": "MPEG_LAYER_III"}.get(suffix)
+    if subtype is None:
+        raise UserError(f"write_audio: unsupported suffix {suffix!r} (.wav, .flac, .ogg, .mp3)")
+    sf.write(str(path), np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0), sampling_rate, subtype=subtype)
 
 
 def write_wav(path: Path | str, samples: np.ndarray, sampling_rate: int) -> None:
     """Write mono float samples in [-1, 1] as a 16-bit PCM WAV (for fixtures and the examples)."""
-    pcm = (np.clip(np.asarray(samples, dtype=np.float64), -1.0, 1.0) * 32767).astype("<i2").tobytes()
-    header = struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", 36 + len(pcm), b"WAVE", b"fmt ", 16, 1, 1, sampling_rate,
-                         sampling_rate * 2, 2, 16, b"data", len(pcm))
-    Path(path).write_bytes(header + pcm)
+    import soundfile as sf
+
+    sf.write(str(path), np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0), sampling_rate, format="WAV",
+             subtype="PCM_16")

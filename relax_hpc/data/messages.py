@@ -1,11 +1,12 @@
-"""Turn a row's prompt field into chat messages (or raw text), placing its images and audios.
+"""Turn a row's prompt field into chat messages (or raw text), placing its images, audios and videos.
 
 A prompt is a string (one user message) or a list of ``{"role": ..., "content": ...}`` messages. ``system_prompt``
-becomes a leading system message unless the row already starts with one. A row with ``images``/``audios`` needs one
-placeholder per item, in order: either ``<image>``/``<audio>`` markers inside the text, or none at all, in which case
-all images then all audios go before the text of the first user message. In chat messages they become typed content
-parts ``{"type": "image", "image": ref}`` / ``{"type": "audio", "audio": ref}`` that Qwen-VL/Audio chat templates
-render as their placeholder tokens; in raw text they become the model's placeholder string.
+becomes a leading system message unless the row already starts with one. A row with ``images``/``audios``/``videos``
+needs one placeholder per item, in order: either ``<image>``/``<audio>``/``<video>`` markers inside the text, or none
+at all, in which case all images, then all audios, then all videos go before the text of the first user message. In
+chat messages they become typed content parts ``{"type": "image", "image": ref}`` (``audio``, ``video`` alike) that
+Qwen-VL/Audio/Omni chat templates render as their placeholder tokens; in raw text they become the model's
+placeholder string.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from relax_hpc.errors import UserError
 
 IMAGE_MARK = "<image>"
 AUDIO_MARK = "<audio>"
-_MARKS = re.compile(f"({re.escape(IMAGE_MARK)}|{re.escape(AUDIO_MARK)})")
+VIDEO_MARK = "<video>"
+KINDS = ("image", "audio", "video")
+"""Media kinds, in the order unmarked items are placed before the text."""
+_MARKS = re.compile(f"({re.escape(IMAGE_MARK)}|{re.escape(AUDIO_MARK)}|{re.escape(VIDEO_MARK)})")
 
 
 def _parts(text: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for piece in _MARKS.split(text):
-        if piece == IMAGE_MARK:
-            out.append({"type": "image", "image": "<image>"})
-        elif piece == AUDIO_MARK:
-            out.append({"type": "audio", "audio": "<audio>"})
+        kind = piece[1:-1] if _MARKS.fullmatch(piece) else None
+        if kind is not None:
+            out.append({"type": kind, kind: piece})
         elif piece:
             out.append({"type": "text", "text": piece})
     return out
@@ -53,15 +56,16 @@ def check_messages(prompt: Any, origin: str, key: str) -> list[dict[str, Any]]:
 
 
 def build_messages(prompt: Any, *, system_prompt: str | None, num_images: int, num_audios: int, origin: str,
-                   key: str) -> list[dict[str, Any]]:
+                   key: str, num_videos: int = 0) -> list[dict[str, Any]]:
     """Chat messages for one row, with media as typed content parts (see the module docstring)."""
     messages = check_messages(prompt, origin, key)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
-    if not num_images and not num_audios:
+    want = {"image": num_images, "audio": num_audios, "video": num_videos}
+    if not any(want.values()):
         return messages
     marked = any(isinstance(m["content"], str) and _MARKS.search(m["content"]) for m in messages)
-    typed = _count(messages, "image") + _count(messages, "audio") > 0
+    typed = sum(_count(messages, k) for k in KINDS) > 0
     if marked or typed:
         for m in messages:
             if isinstance(m["content"], str) and _MARKS.search(m["content"]):
@@ -72,33 +76,38 @@ def build_messages(prompt: Any, *, system_prompt: str | None, num_images: int, n
             raise UserError(f"{origin}: the row has images/audios but no user message to put them in")
         text = user["content"]
         rest = _parts(text) if isinstance(text, str) else list(text)
-        user["content"] = ([{"type": "image", "image": "<image>"}] * num_images
-                           + [{"type": "audio", "audio": "<audio>"}] * num_audios + rest)
+        user["content"] = [{"type": k, k: f"<{k}>"} for k in KINDS for _ in range(want[k])] + rest
     for m in messages:  # Qwen2-Audio's template looks for an 'audio' key, Qwen-VL's for type == 'image'
         if isinstance(m["content"], list):
             m["content"] = [{**p, p["type"]: p.get(p["type"], f"<{p['type']}>")}
-                            if isinstance(p, dict) and p.get("type") in ("image", "audio") else p
+                            if isinstance(p, dict) and p.get("type") in KINDS else p
                             for p in m["content"]]
-    got_i, got_a = _count(messages, "image"), _count(messages, "audio")
-    if (got_i, got_a) != (num_images, num_audios):
-        raise UserError(f"{origin}: the prompt has {got_i} image and {got_a} audio placeholders but the row has "
-                        f"{num_images} images and {num_audios} audios")
+    got = {k: _count(messages, k) for k in KINDS}
+    if got != want:
+        shown = [k for k in KINDS if k != "video" or got[k] or want[k]]
+        have = " and ".join(f"{got[k]} {k}" for k in shown)
+        need = " and ".join(f"{want[k]} {k}s" for k in shown)
+        raise UserError(f"{origin}: the prompt has {have} placeholders but the row has {need}")
     return messages
 
 
 def raw_text(prompt: Any, *, system_prompt: str | None, image_placeholder: str, audio_placeholder: str,
-             num_images: int, num_audios: int, origin: str, key: str) -> str:
+             num_images: int, num_audios: int, origin: str, key: str, num_videos: int = 0,
+             video_placeholder: str = "") -> str:
     """The prompt as plain text (``chat_template: false``): the system prompt, a newline, the prompt; media
     markers replaced by the model's placeholder strings (or prepended when the text has none)."""
     if not isinstance(prompt, str):
         raise UserError(f"{origin}: field {key!r} holds chat messages, which need data.chat_template: true")
     text = prompt
-    if num_images or num_audios:
-        n_i, n_a = text.count(IMAGE_MARK), text.count(AUDIO_MARK)
-        if n_i == n_a == 0:
-            text = IMAGE_MARK * num_images + AUDIO_MARK * num_audios + text
-        elif (n_i, n_a) != (num_images, num_audios):
-            raise UserError(f"{origin}: the prompt has {n_i} {IMAGE_MARK} and {n_a} {AUDIO_MARK} markers but the "
-                            f"row has {num_images} images and {num_audios} audios")
-        text = text.replace(IMAGE_MARK, image_placeholder).replace(AUDIO_MARK, audio_placeholder)
+    want = {IMAGE_MARK: num_images, AUDIO_MARK: num_audios, VIDEO_MARK: num_videos}
+    if any(want.values()):
+        got = {m: text.count(m) for m in want}
+        if not any(got.values()):
+            text = "".join(m * n for m, n in want.items()) + text
+        elif got != want:
+            raise UserError(f"{origin}: the prompt has {got[IMAGE_MARK]} {IMAGE_MARK}, {got[AUDIO_MARK]} "
+                            f"{AUDIO_MARK} and {got[VIDEO_MARK]} {VIDEO_MARK} markers but the row has {num_images} "
+                            f"images, {num_audios} audios and {num_videos} videos")
+        text = (text.replace(IMAGE_MARK, image_placeholder).replace(AUDIO_MARK, audio_placeholder)
+                .replace(VIDEO_MARK, video_placeholder))
     return text if system_prompt is None else f"{system_prompt}\n{text}"

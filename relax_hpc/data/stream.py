@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from relax_hpc.data.dataset import Prompt, PromptDataset
+from relax_hpc.data.media import MediaError
 from relax_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class PromptStream:
         self.epoch = 0
         self.index = 0
         self._order: tuple[int, list[int]] | None = None
+        self.num_media_skipped = 0
+        """Prompts skipped when taken because their media failed."""
 
     def order(self, epoch: int) -> list[int]:
         """The dataset indices of epoch ``epoch``, in the order they are taken."""
@@ -48,21 +51,35 @@ class PromptStream:
         """Whether all ``num_epochs`` epochs have been taken."""
         return self.epoch >= self.num_epochs
 
-    def next_batch(self, n: int) -> list[Prompt]:
+    def next_batch(self, n: int, *, tensors: bool = True) -> list[Prompt]:
         """The next ``n`` prompts (crossing into the next epoch as needed); fewer, possibly none, once the last
-        epoch runs out. Each prompt's meta gets ``epoch``."""
+        epoch runs out. Each prompt's meta gets ``epoch``. A prompt whose media fails now (:class:`MediaError`) is
+        skipped with one log line and counted in ``num_media_skipped``; the batch is filled from the next ones.
+        ``tensors=False`` leaves media as references (``Prompt.media``) for a processor pool."""
         out: list[Prompt] = []
         while len(out) < n and not self.exhausted:
             order = self.order(self.epoch)
             take = order[self.index:self.index + n - len(out)]
             for i in take:
-                p = self.dataset[i]
+                try:
+                    p = self.dataset.prompt(i, tensors=tensors)
+                except MediaError as exc:
+                    self.num_media_skipped += 1
+                    log.warning("data: skipped prompt %d (%d skipped so far): %s", i, self.num_media_skipped, exc)
+                    continue
                 p.meta["epoch"] = self.epoch
                 out.append(p)
             self.index += len(take)
             if self.index >= len(order):
                 self.epoch, self.index = self.epoch + 1, 0
         return out
+
+    def stats(self) -> dict[str, float]:
+        """``data/media_skipped``: prompts skipped when taken because their media failed."""
+        return {"data/media_skipped": float(self.num_media_skipped)}
+
+    def close(self) -> None:
+        """Nothing to stop (a :class:`~relax_hpc.data.pool.PrefetchingStream` stops its thread and pool)."""
 
     def __iter__(self) -> Iterator[Prompt]:
         return self

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.roles.spec import main_proc
 from relax_hpc.rundir import RunDir
 
 
@@ -20,6 +21,7 @@ class ProgressFeed:
         from relax_hpc.monitor.tail import DirTail
 
         self.cfg = cfg
+        self.main_proc = main_proc(cfg)  # the process logging the step metrics
         self.tail = DirTail(run_dir.events)
         self.console = Console(stderr=True)
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -35,7 +37,7 @@ class ProgressFeed:
 
     def tick(self) -> None:
         for proc, rec in self.tail.read():
-            if rec.get("kind") == "metrics" and proc in ("trainer-0", "colocate-0") and rec.get("step") is not None:
+            if rec.get("kind") == "metrics" and proc == self.main_proc and rec.get("step") is not None:
                 m = rec.get("metrics", {})
                 if "warmup/loss" in m:
                     self.console.print(f"supervised warm-up done: loss {m['warmup/loss']:.3f}")
@@ -51,7 +53,7 @@ class ProgressFeed:
                     info += f"  {st:.2f}s/step"
                 self.progress.update(self.task, completed=int(rec["step"]), info=info)
             elif rec.get("kind") in ("event", "alert") and rec.get("level") in ("warning", "error"):
-                self.console.print(f"[yellow]{proc}: {rec.get('event')}: {rec.get('message')}[/yellow]")
+                self.console.print(f"{proc}: {rec.get('event')}: {rec.get('message')}", style="yellow", markup=False)
 
         if time.monotonic() >= self._next_alert_check:
             self._next_alert_check = time.monotonic() + 10.0
@@ -67,9 +69,9 @@ class ProgressFeed:
                 self._alerts = (AlertWatcher(self.run_dir, self.cfg.monitor), RunMonitor(self.run_dir))
             watcher, monitor = self._alerts
             for alert in watcher.check(monitor.refresh()):
-                self.console.print(f"[red]alert: {alert}[/red]")
+                self.console.print(f"alert: {alert}", style="red", markup=False)
         except Exception as exc:  # alerting must never stop the launcher
-            self.console.print(f"[yellow]alert check failed: {exc}[/yellow]")
+            self.console.print(f"alert check failed: {exc}", style="yellow", markup=False)
 
     def close(self) -> None:
         self.tick()

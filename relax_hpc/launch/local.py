@@ -19,6 +19,7 @@ from typing import Any
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.errors import UserError
 from relax_hpc.fsio import atomic_write_json, read_json
+from relax_hpc.roles import spec as roles
 from relax_hpc.rundir import RunDir, proc_name
 
 
@@ -34,19 +35,17 @@ class LocalProc:
 
 
 def role_plan(cfg: RecipeConfig) -> list[tuple[str, int]]:
-    """(role, rank) of every process the run needs."""
-    if cfg.mode == "colocate":
-        return [("colocate", r) for r in range(cfg.trainer.num_ranks)]
-    return [("trainer", r) for r in range(cfg.trainer.num_ranks)] + \
-        [("rollout", r) for r in range(cfg.rollout.num_workers)]
+    """(role, rank) of every process the run needs (from the role table, :func:`relax_hpc.roles.spec.role_plan`)."""
+    return roles.role_plan(cfg)
 
 
 def start_role(run_dir: RunDir, cfg: RecipeConfig, role: str, rank: int, *, num_procs: int = 1) -> LocalProc:
     """Start one role process (``python -m relax_hpc role ...``). Threads per process are the role's
     ``cpus_per_task``, capped so that ``num_procs`` processes together do not oversubscribe this machine."""
     env = dict(os.environ)
-    res = cfg.launch.trainer if role in ("trainer", "colocate") else cfg.launch.rollout
+    res = roles.resources(cfg, role)
     env.update(res.env)
+    env.update(gpu_env(cfg, res.gpus, rank))
     fair = max(1, (os.cpu_count() or 1) // max(1, num_procs))
     env.setdefault("OMP_NUM_THREADS", str(max(1, min(res.cpus_per_task, fair))))
     env["PYTHONUNBUFFERED"] = "1"
@@ -59,6 +58,22 @@ def start_role(run_dir: RunDir, cfg: RecipeConfig, role: str, rank: int, *, num_
             preexec_fn=_pin(res.cpu_affinity),
         )
     return LocalProc(role, rank, popen)
+
+
+def gpu_env(cfg: RecipeConfig, gpus: list[int] | None, rank: int) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` (and ``RELAX_HPC_GPU``, the physical id) for rank ``rank`` of a role placed on
+    ``gpus`` (``launch.<role>.gpus``): its GPU first, then every other id up to the highest either role names, so
+    that ``cuda`` / ``cuda:0`` is its GPU while NCCL can still reach the others peer to peer. Empty for None."""
+    if not gpus:
+        return {}
+    top = max(*(cfg.launch.trainer.gpus or [0]), *(cfg.launch.rollout.gpus or [0]))
+    return cuda_visible(gpus[rank % len(gpus)], top)
+
+
+def cuda_visible(own: int, top: int) -> dict[str, str]:
+    """The environment of a process on GPU ``own`` of GPUs ``0..top``: ``own`` first, then the others in order."""
+    order = [own, *(g for g in range(top + 1) if g != own)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, order)), "RELAX_HPC_GPU": str(own)}
 
 
 def _pin(cpus: list[int] | None) -> Callable[[], None] | None:
@@ -120,35 +135,74 @@ def terminate(procs: list[LocalProc], *, timeout_s: float = 30.0) -> None:
             p.popen.wait(timeout=10)
 
 
+def record_restart(run_dir: RunDir, proc: LocalProc) -> None:
+    """Point the launch record's entry of ``proc`` at its new pid (status and cancel act on live pids only)."""
+    rec = read_json(run_dir.launch_record, default={}, expect=dict) or {}
+    entries = [e for e in rec.get("procs", []) if not (isinstance(e, dict) and e.get("proc") == proc.proc)]
+    entries.append({"role": proc.role, "rank": proc.rank, "proc": proc.proc, "pid": proc.popen.pid,
+                    "host": os.uname().nodename, "started": time.time()})
+    atomic_write_json(run_dir.launch_record, {**rec, "executor": "local", "procs": entries})
+
+
+def _slots(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc]) -> list[Any]:
+    """A supervisor slot per process; a restart starts the role again and updates ``procs`` and launch.json."""
+    from relax_hpc.launch.supervisor import Slot, group_for, policy_for
+
+    def starter(p: LocalProc) -> Callable[[], subprocess.Popen[bytes]]:
+        def start() -> subprocess.Popen[bytes]:
+            new = start_role(run_dir, cfg, p.role, p.rank, num_procs=len(procs))
+            p.popen = new.popen
+            record_restart(run_dir, p)
+            return new.popen
+        return start
+
+    return [Slot(run_dir, p.role, p.rank, policy_for(cfg, roles.role_spec(p.role)), starter(p), popen=p.popen,
+                 group=group_for(run_dir, cfg, roles.role_spec(p.role))) for p in procs]
+
+
 def supervise(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc], *, on_tick: Any = None,
               poll_s: float = 0.5) -> int:
     """Wait for the run: done when the trainer side exits. Rollout workers are then stopped. Returns exit code.
 
-    A trainer that fails stops the run (exit 1). A rollout worker that dies is reported and the run goes on with the
-    others (fully_async).
+    Dead processes are restarted by the role supervisor (:mod:`relax_hpc.launch.supervisor`: a killed or hung
+    trainer resumes from its newest complete checkpoint, a dead rollout worker rejoins), with backoff and a cap
+    per role. A trainer that fails for good stops the run (its exit code); a rollout worker that does is reported
+    and the run goes on with the others. When every rollout worker has stopped for good on a user error (exit 2:
+    bad input, e.g. an inference server that cannot start), nothing would ever feed the trainer, so the run stops
+    (the trainer checkpoints on SIGTERM) and the exit code is 2.
     """
-    trainers = [p for p in procs if p.role in ("trainer", "colocate")]
-    others = [p for p in procs if p not in trainers]
+    slots = _slots(run_dir, cfg, procs)
+    trainers = [s for s in slots if roles.is_trainer_side(s.role)]
+    others = [s for s in slots if s not in trainers]
     reported: set[str] = set()
     try:
         while True:
             if on_tick is not None:
                 on_tick()
-            codes = [p.popen.poll() for p in trainers]
-            if any(c not in (None, 0) for c in codes):
-                code = next(c for c in codes if c not in (None, 0))
+            for s in slots:
+                s.step()
+            codes = [s.final for s in trainers]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
                 terminate(procs)
-                return int(code or 1)
+                return int(failed[0] or 1)
             if all(c == 0 for c in codes):
-                terminate(others, timeout_s=30)
+                terminate([p for p in procs if not roles.is_trainer_side(p.role)], timeout_s=30)
                 return 0
-            for p in others:
-                if p.popen.poll() not in (None, 0) and p.proc not in reported:
-                    reported.add(p.proc)
-                    print(f"warning: {p.proc} exited with code {p.popen.returncode}; the run goes on",
-                          file=sys.stderr)
+            for s in others:
+                if s.final not in (None, 0) and s.proc not in reported:
+                    reported.add(s.proc)
+                    print(f"warning: {s.proc} exited with code {s.final}; the run goes on", file=sys.stderr)
+            if others and all(s.final == 2 for s in others):
+                print("error: every rollout worker stopped on a user error (above); stopping the run",
+                      file=sys.stderr)
+                terminate(procs)
+                return 2
             time.sleep(poll_s)
     except KeyboardInterrupt:
         print("interrupted: asking every role to checkpoint and stop ...", file=sys.stderr)
         terminate(procs)
         return 130
+    finally:
+        for s in slots:
+            s.log.close()

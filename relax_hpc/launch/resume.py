@@ -13,10 +13,11 @@ from typing import Any
 
 from relax_hpc.config.load import validate_dict
 from relax_hpc.errors import ConfigError, UserError
-from relax_hpc.fsio import read_json
+from relax_hpc.fsio import check_writable, read_json
 from relax_hpc.launch import slurm_cli
 from relax_hpc.launch.runctl import proc_alive
 from relax_hpc.launch.slurm import launch, read_launch_record, write_launch_record
+from relax_hpc.roles import spec as roles
 from relax_hpc.rundir import RunDir
 
 
@@ -30,9 +31,9 @@ def _still_active(rec: dict[str, Any]) -> list[str]:
 
 
 def resume_ranks(rec: dict[str, Any]) -> list[int] | None:
-    """Rollout ranks to start again: every rank launched so far minus the retired ones (None: the default)."""
-    ranks = {int(r) for e in rec.get("jobs", []) if e.get("role") == "rollout" or e.get("kind") == "hetjob"
-             for r in e.get("ranks", [])}
+    """Ranks of the elastic role (rollout workers) to start again: every rank launched so far minus the retired
+    ones (None: the default)."""
+    ranks = roles.elastic_ranks(rec.get("jobs", []))
     ranks -= {int(r) for r in rec.get("retired", [])}
     return sorted(ranks) or None
 
@@ -41,15 +42,17 @@ def resume_run(run_dir: RunDir | Path | str, *, executor: str | None = None, dry
                ) -> dict[str, Any]:
     """Resubmit ``run_dir`` (executor: the recorded one unless given). Returns the new launch record."""
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir.open(run_dir)
+    if not dry_run:
+        check_writable(rd.root, "run dir:")  # a read-only mount: one line now, not a role failing later
     if not rd.config.is_file():
         raise UserError(f"{rd.config} is missing: this run dir was never submitted")
     try:
-        cfg = validate_dict(read_json(rd.config))
+        cfg = validate_dict(read_json(rd.config, expect=dict))
     except ValueError as exc:
         problems = exc.problems if isinstance(exc, ConfigError) else [str(exc)]
         raise UserError(f"{rd.config} does not validate any more: {'; '.join(problems)}") from None
     rec = read_launch_record(rd)
-    final = read_json(rd.status_file, default=None)
+    final = read_json(rd.status_file, default=None, expect=dict)
     if isinstance(final, dict) and final.get("state") == "completed":
         raise UserError(f"run {rd.root} already completed (STATUS.json); nothing to resume")
     busy = _still_active(rec)
@@ -68,7 +71,7 @@ def resume_run(run_dir: RunDir | Path | str, *, executor: str | None = None, dry
         with contextlib.suppress(FileNotFoundError):
             rd.status_file.unlink()
     if executor == "slurm":
-        new = launch(rd, cfg, rollout_ranks=resume_ranks(rec) if cfg.mode == "fully_async" else None)
+        new = launch(rd, cfg, rollout_ranks=resume_ranks(rec) if roles.mode_spec(cfg).elastic else None)
         if rec.get("previous_status"):
             new["previous_status"] = rec.get("previous_status", [])
             write_launch_record(rd, new)

@@ -18,6 +18,7 @@ from relax_hpc.errors import UserError
 from relax_hpc.events import read_heartbeats
 from relax_hpc.fsio import atomic_write_json, read_json
 from relax_hpc.launch import slurm_cli
+from relax_hpc.roles import spec as roles
 from relax_hpc.rundir import RunDir
 
 DEFAULT_DEAD_AFTER_S = 120.0
@@ -77,13 +78,14 @@ def open_run(run_dir: RunDir | Path | str) -> RunDir:
 def run_status(run_dir: RunDir | Path | str) -> dict[str, Any]:
     """Everything ``relax-hpc status`` shows: jobs (or local processes), role heartbeats, the final state."""
     rd = open_run(run_dir)
-    rec = read_json(rd.launch_record, default={}) or {}
-    cfg = read_json(rd.config, default={}) or {}
+    rec = read_json(rd.launch_record, default={}, expect=dict) or {}
+    cfg = read_json(rd.config, default={}, expect=dict) or {}
     dead_after = float((cfg.get("monitor") or {}).get("dead_after_s", DEFAULT_DEAD_AFTER_S))
     retired = set(rec.get("retired", []))
     out: dict[str, Any] = {"run_dir": str(rd.root), "run_id": rd.info().get("run_id"),
                            "executor": rec.get("executor"), "mode": rec.get("mode") or cfg.get("mode"),
-                           "placement": rec.get("placement"), "final": read_json(rd.status_file, default=None),
+                           "placement": rec.get("placement"),
+                           "final": read_json(rd.status_file, default=None, expect=dict),
                            "jobs": [], "procs": [], "roles": [], "warnings": []}
     any_active = False
     if rec.get("executor") == "slurm" and rec.get("jobs"):
@@ -106,13 +108,16 @@ def run_status(run_dir: RunDir | Path | str) -> dict[str, Any]:
         alive = proc_alive(p)
         any_active |= alive
         out["procs"].append({"proc": _proc_label(p), "pid": p.get("pid"), "alive": alive})
+    out["restarts"] = restarts = read_restarts(rd)
+    out["group_restarts"] = read_group_restarts(rd)
     for proc, hb in sorted(read_heartbeats(rd).items()):
         state = hb.get("state")
         out["roles"].append({"proc": proc, "role": hb.get("role"), "rank": hb.get("rank"), "state": state,
+                             "restarts": restarts.get(proc, {}).get("restarts", 0),
                              "step": hb.get("step"), "version": hb.get("version"), "age_s": round(hb["age_s"], 1),
                              "host": hb.get("host"), "pid": hb.get("pid"), "slurm_job_id": hb.get("slurm_job_id"),
                              "live": state not in ("stopped", "failed") and hb["age_s"] <= dead_after,
-                             "retired": hb.get("role") == "rollout" and hb.get("rank") in retired})
+                             "retired": roles.is_elastic(hb.get("role")) and hb.get("rank") in retired})
     final = out["final"] if isinstance(out["final"], dict) else None
     if final and final.get("state"):
         out["state"] = str(final["state"])
@@ -123,6 +128,46 @@ def run_status(run_dir: RunDir | Path | str) -> dict[str, Any]:
     else:
         out["state"] = "not launched"
     out["active"] = any_active
+    return out
+
+
+def read_restarts(rd: RunDir) -> dict[str, dict[str, Any]]:
+    """The role supervisor's restart records (``supervisor/<proc>.json``): proc -> {restarts, last reason, gave up}.
+    An unreadable record is reported as such, not skipped."""
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        files = sorted(rd.supervisor.glob("*.json"))
+    except OSError:
+        return out
+    for path in files:
+        if path.name.startswith("."):
+            continue
+        try:
+            rec = read_json(path, expect=dict)
+        except (OSError, ValueError) as exc:
+            out[path.stem] = {"restarts": 0, "problem": str(exc)[:200]}
+            continue
+        history = [h for h in rec.get("history") or [] if isinstance(h, dict)]
+        n = rec.get("restarts")
+        out[path.stem] = {"restarts": n if isinstance(n, int) else 0,
+                          "last_reason": history[-1].get("reason") if history else None,
+                          "gave_up": rec.get("gave_up")}
+    return out
+
+
+def read_group_restarts(rd: RunDir) -> dict[str, dict[str, Any]]:
+    """Process groups restarted as a whole (``supervisor/groups/<group>.json``): group -> {generation, by, reason}.
+    An unreadable record is reported as such."""
+    out: dict[str, dict[str, Any]] = {}
+    for group in sorted({r.group for r in roles.ROLES.values() if r.group}):
+        path = rd.group_restart_file(group)
+        try:
+            rec = read_json(path, default=None, expect=dict)
+        except (OSError, ValueError) as exc:
+            out[group] = {"generation": 0, "problem": str(exc)[:200]}
+            continue
+        if rec:
+            out[group] = {k: rec.get(k) for k in ("generation", "by", "reason")}
     return out
 
 
@@ -143,13 +188,24 @@ def format_status(st: dict[str, Any]) -> str:
         yes_no = {True: "yes", False: "no", None: "unknown (another host)"}
         lines += [f"{p['proc']:<16} {p['pid']!s:>8}  {yes_no[p['alive']]}" for p in st["procs"]]
     if st["roles"]:
-        lines += ["", f"{'ROLE':<14} {'STATE':<10} {'STEP':>6} {'VERSION':>8} {'AGE':>8}  {'HOST':<12} SLURM JOB"]
+        lines += ["", f"{'ROLE':<14} {'STATE':<10} {'STEP':>6} {'VERSION':>8} {'AGE':>8} {'RESTARTS':>8}  "
+                  f"{'HOST':<12} SLURM JOB"]
         for r in st["roles"]:
             flag = "" if r["live"] or r["state"] in ("stopped", "failed") else "  (no heartbeat: dead?)"
             flag += "  (retired)" if r["retired"] else ""
             lines.append(f"{r['proc']:<14} {r['state'] or '-':<10} {r['step'] if r['step'] is not None else '-':>6} "
-                         f"{r['version'] if r['version'] is not None else '-':>8} {r['age_s']:>7.0f}s  "
-                         f"{r['host'] or '-':<12} {r['slurm_job_id'] or '-'}{flag}")
+                         f"{r['version'] if r['version'] is not None else '-':>8} {r['age_s']:>7.0f}s "
+                         f"{r.get('restarts', 0):>8}  {r['host'] or '-':<12} {r['slurm_job_id'] or '-'}{flag}")
+    restarted = {p: r for p, r in (st.get("restarts") or {}).items() if r.get("restarts") or r.get("problem")}
+    if restarted:
+        lines += ["", f"restarts by the role supervisor: {sum(r['restarts'] for r in restarted.values())}"]
+        for p, r in restarted.items():
+            why = r.get("problem") or f"last: {r.get('last_reason') or '-'}"
+            lines.append(f"  {p:<14} {r['restarts']:>4}  {why}" + ("  (gave up: max_restarts)" if r.get("gave_up")
+                                                                     else ""))
+    for g, r in (st.get("group_restarts") or {}).items():
+        why = r.get("problem") or f"last: {r.get('by') or '-'} {r.get('reason') or ''}".rstrip()
+        lines.append(f"  process group {g}: every rank restarted {r.get('generation')} time(s); {why}")
     for w in st["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
@@ -170,7 +226,7 @@ def cancel_run(run_dir: RunDir | Path | str, *, timeout_s: float = 30.0, wait: b
     """Cancel a run: ``scancel`` its recorded Slurm job ids, or SIGTERM its recorded local pids (SIGKILL after
     ``timeout_s``). Roles checkpoint on SIGTERM, so ``relax-hpc resume`` can continue later."""
     rd = open_run(run_dir)
-    rec = read_json(rd.launch_record, default={}) or {}
+    rec = read_json(rd.launch_record, default={}, expect=dict) or {}
     if not rec:
         raise UserError(f"{rd.root} has no {rd.launch_record.name}: nothing was launched there")
     out: dict[str, Any] = {"cancelled_jobs": [], "signalled_pids": [], "killed_pids": [], "still_active": []}

@@ -1,6 +1,8 @@
 """Render a recipe's sbatch scripts from the Jinja templates in ``sbatch/`` (packaged as ``relax_hpc/sbatch``).
 
-Placements (``mode`` and ``launch.placement``):
+The jobs follow the mode's roles in the role table (:mod:`relax_hpc.roles.spec`); one template per job shape
+(``job``: one role, every rank a task; ``array``: an elastic role, one array task per rank; ``hetjob``; ``sweep``),
+none per role. With today's table, the placements (``mode`` and ``launch.placement``) are:
 
 * ``colocate`` mode: one job, ``trainer.num_ranks`` tasks, every rank runs ``role colocate``;
 * ``fully_async`` + ``hetjob``: ONE heterogeneous job, het group 0 the trainer (``trainer.num_ranks`` tasks), het
@@ -8,8 +10,9 @@ Placements (``mode`` and ``launch.placement``):
 * ``fully_async`` + ``separate``: a trainer job plus a job array with one task per rollout worker (task id = rank),
   linked only through the run dir (so workers can be added or removed later).
 
-Resources come from ``launch.trainer`` / ``launch.rollout``. In ``separate`` placement each array task is ONE
-rollout worker (one task on one node): ``nodes``/``tasks_per_node`` of ``launch.rollout`` shape the het group only.
+Resources come from each role's ``launch`` section (``launch.trainer`` / ``launch.rollout``). In ``separate``
+placement each array task is ONE rollout worker (one task on one node): ``nodes``/``tasks_per_node`` of
+``launch.rollout`` shape the het group only.
 Nothing here submits anything; :mod:`relax_hpc.launch.slurm` does.
 """
 
@@ -28,6 +31,8 @@ from typing import Any
 from relax_hpc.config.schema import RecipeConfig, RoleResources
 from relax_hpc.errors import UserError
 from relax_hpc.launch.slurm_params import directive, extra_directives
+from relax_hpc.roles import spec as roles
+from relax_hpc.roles.spec import RoleSpec
 from relax_hpc.rundir import RunDir, SweepDir
 
 ROLLOUT_GRACE_S = 60
@@ -107,7 +112,7 @@ def _extra_lines(res: RoleResources, where: str) -> list[str]:
 
 
 def _directives(cfg: RecipeConfig, res: RoleResources, where: str, *, job_name: str, ntasks: int, nodes: int,
-                tasks_per_node: int, head: list[str]) -> list[str]:
+                tasks_per_node: int, head: list[str], time_min: int) -> list[str]:
     """The #SBATCH options of one job (or het component): job-wide ``head`` first, then this role's resources."""
     launch = cfg.launch
     if ntasks < nodes:
@@ -116,7 +121,7 @@ def _directives(cfg: RecipeConfig, res: RoleResources, where: str, *, job_name: 
         raise UserError(f"{where}: nodes x tasks_per_node = {nodes * tasks_per_node} cannot hold {ntasks} tasks")
     d = [directive("job_name", job_name), *head,
          # USR2, not USR1: NCCL may catch USR1. Sent to the job steps (no B:), signal_delay_s before the limit.
-         directive("signal", f"USR2@{launch.signal_delay_s}"), directive("time", launch.time_min)]
+         directive("signal", f"USR2@{launch.signal_delay_s}"), directive("time", time_min)]
     partition = res.partition or launch.partition
     if partition:
         d.append(directive("partition", partition))
@@ -157,7 +162,7 @@ def _context(cfg: RecipeConfig, run_dir: str, *, title: str, python: str, python
              components: list[list[str]], **more: Any) -> dict[str, Any]:
     return {"title": title, "components": components, "run_dir": run_dir, "python": python,
             "pythonpath": pythonpath, "setup": list(cfg.launch.setup), "max_requeues": cfg.launch.max_requeues,
-            **more}
+            "role_names": roles.role_names(), **more}
 
 
 def default_python() -> str:
@@ -198,105 +203,174 @@ def _ranges(ranks: Sequence[int]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ per placement
-def render_run(run_dir: RunDir | Path | str, cfg: RecipeConfig, *, python: str | None = None,
-               pythonpath: str | None = "auto", rollout_ranks: Sequence[int] | None = None) -> list[JobScript]:
-    """The sbatch scripts of a whole run, in submission order.
-
-    ``rollout_ranks`` (fully_async) defaults to ``0 .. rollout.num_workers - 1``; ``resume`` passes the ranks that
-    were running. ``pythonpath="auto"`` adds the source checkout when relax-hpc is not installed.
-    """
+def _prepare(run_dir: RunDir | Path | str, python: str | None, pythonpath: str | None
+             ) -> tuple[RunDir, str, str, str | None]:
     rd = as_run_dir(run_dir)
     rd_text = _check_path(rd.root, "run dir")
-    python = python or default_python()
     if pythonpath == "auto":
         pythonpath = default_pythonpath()
-    name = cfg.name
-    tr = cfg.launch.trainer
-    trainer_step = _step(tr, "launch.trainer", [])
-    if cfg.mode == "colocate":
-        head = _job_head(rd.slurm, rd.slurm_output("colocate").name)
-        comp = _directives(cfg, tr, "launch.trainer", job_name=name, ntasks=cfg.trainer.num_ranks, nodes=tr.nodes,
-                           tasks_per_node=tr.tasks_per_node, head=head)
-        ctx = _context(cfg, rd_text, title=f"run {name!r}, mode colocate: one job, every rank generates and trains",
-                       python=python, pythonpath=pythonpath, components=[comp], trainer=trainer_step)
-        return [JobScript("colocate", "colocate", ("colocate",), render_template("colocate", **ctx))]
+    return rd, rd_text, python or default_python(), pythonpath
 
-    ranks = list(range(cfg.rollout.num_workers)) if rollout_ranks is None else sorted(set(rollout_ranks))
-    if not ranks:
-        raise UserError("a fully_async run needs at least one rollout worker")
-    ro = cfg.launch.rollout
+
+def _role_directives(cfg: RecipeConfig, role: RoleSpec, *, job_name: str, ntasks: int, head: list[str],
+                     one_per_task: bool = False) -> list[str]:
+    """The #SBATCH options of ``role``: its resources, ``ntasks`` tasks (``one_per_task``: one task on one node)."""
+    res = roles.resources(cfg, role)
+    nodes, per_node = (1, 1) if one_per_task else (res.nodes, res.tasks_per_node)
+    if res.launcher == "torchrun":  # one task per node: torchrun starts the node's ranks
+        _check_torchrun(res, roles.resources_where(role), ntasks)
+        res = res.model_copy(update={"cpus_per_task": res.cpus_per_task * res.tasks_per_node})
+        ntasks, per_node = res.nodes, 1
+    return _directives(cfg, res, roles.resources_where(role), job_name=job_name, ntasks=ntasks, nodes=nodes,
+                       tasks_per_node=per_node, head=head, time_min=roles.time_limit_min(cfg, role))
+
+
+def _check_torchrun(res: RoleResources, where: str, ranks: int) -> None:
+    if res.nodes * res.tasks_per_node != ranks:
+        raise UserError(f"{where}.launcher=torchrun: nodes x tasks_per_node = {res.nodes * res.tasks_per_node} "
+                        f"processes but the role has {ranks} ranks; set tasks_per_node to the ranks per node")
+
+
+def _role_step(cfg: RecipeConfig, role: RoleSpec, srun_args: list[str]) -> dict[str, Any]:
+    """The srun arguments and environment of ``role``'s step, and the torchrun launch (None: srun starts every
+    rank as a task)."""
+    res = roles.resources(cfg, role)
+    step = _step(res, roles.resources_where(role), srun_args)
+    step["torchrun"] = None
+    if res.launcher == "torchrun":
+        step["srun_args"].append("--ntasks-per-node=1")
+        step["torchrun"] = {"nnodes": res.nodes, "nproc_per_node": res.tasks_per_node, "port": res.torchrun_port,
+                            "shutdown_timeout_s": cfg.launch.signal_delay_s}
+    return step
+
+
+def render_run(run_dir: RunDir | Path | str, cfg: RecipeConfig, *, python: str | None = None,
+               pythonpath: str | None = "auto", rollout_ranks: Sequence[int] | None = None) -> list[JobScript]:
+    """The sbatch scripts of a whole run, in submission order (the jobs follow the mode's roles in the role table).
+
+    ``rollout_ranks`` (the elastic role's ranks) defaults to ``0 .. N - 1``; ``resume`` passes the ranks that were
+    running. ``pythonpath="auto"`` adds the source checkout when relax-hpc is not installed.
+    """
+    mode = roles.mode_spec(cfg)
+    if mode.single_job:
+        return [render_role_job(run_dir, cfg, mode.main, python=python, pythonpath=pythonpath)]
+    elastic = mode.elastic
+    ranks: list[int] = []
+    if elastic is not None:
+        ranks = list(range(roles.num_ranks(cfg, elastic))) if rollout_ranks is None else sorted(set(rollout_ranks))
+        if not ranks:
+            raise UserError(f"a {mode.name} run needs at least one {elastic.noun}")
     if cfg.launch.placement == "hetjob":
-        if rollout_ranks is not None and ranks != list(range(len(ranks))):
-            ranks = list(range(len(ranks)))  # a het group's ranks are its task ids
-        head = _job_head(rd.slurm, rd.slurm_output("hetjob").name)
-        comp0 = _directives(cfg, tr, "launch.trainer", job_name=name, ntasks=cfg.trainer.num_ranks, nodes=tr.nodes,
-                            tasks_per_node=tr.tasks_per_node, head=head)
-        comp1 = _directives(cfg, ro, "launch.rollout", job_name=name, ntasks=len(ranks), nodes=ro.nodes,
-                            tasks_per_node=ro.tasks_per_node, head=[])
-        ctx = _context(cfg, rd_text, title=f"run {name!r}, fully_async, placement hetjob: het group 0 = trainer, "
-                       f"het group 1 = {len(ranks)} rollout worker(s)", python=python, pythonpath=pythonpath,
-                       components=[comp0, comp1], rollout_grace_s=ROLLOUT_GRACE_S,
-                       trainer=_step(tr, "launch.trainer", ["--het-group=0", "--kill-on-bad-exit=1"]),
-                       rollout=_step(ro, "launch.rollout", ["--het-group=1", "--kill-on-bad-exit=0"]))
-        return [JobScript("hetjob", "hetjob", ("trainer", "rollout"), render_template("hetjob", **ctx),
-                          ranks=tuple(ranks))]
+        return [_render_hetjob(run_dir, cfg, mode, list(range(len(ranks))), python=python, pythonpath=pythonpath)]
+    scripts = [render_role_job(run_dir, cfg, r, python=python, pythonpath=pythonpath, separate=True)
+               for r in mode.roles if not r.elastic]
+    if elastic is not None:
+        scripts.append(render_role_array(run_dir, cfg, elastic, ranks, python=python, pythonpath=pythonpath))
+    return scripts
 
-    head = _job_head(rd.slurm, rd.slurm_output("trainer").name)
-    comp = _directives(cfg, tr, "launch.trainer", job_name=f"{name}-trainer", ntasks=cfg.trainer.num_ranks,
-                       nodes=tr.nodes, tasks_per_node=tr.tasks_per_node, head=head)
-    ctx = _context(cfg, rd_text, title=f"run {name!r}, fully_async, placement separate: the trainer job",
-                   python=python, pythonpath=pythonpath, components=[comp],
-                   trainer=_step(tr, "launch.trainer", ["--kill-on-bad-exit=1"]))
-    trainer = JobScript("trainer", "trainer", ("trainer",), render_template("trainer", **ctx))
-    return [trainer, render_rollout_array(rd, cfg, ranks, python=python, pythonpath=pythonpath)]
+
+def render_role_job(run_dir: RunDir | Path | str, cfg: RecipeConfig, role: RoleSpec, *, python: str | None = None,
+                    pythonpath: str | None = "auto", separate: bool = False) -> JobScript:
+    """One job running every rank of ``role`` (a single-role mode, or a fixed role of placement ``separate``)."""
+    rd, rd_text, python, pythonpath = _prepare(run_dir, python, pythonpath)
+    mode = roles.mode_spec(cfg)
+    head = _job_head(rd.slurm, rd.slurm_output(role.name).name)
+    comp = _role_directives(cfg, role, job_name=f"{cfg.name}-{role.name}" if separate else cfg.name,
+                            ntasks=roles.num_ranks(cfg, role), head=head)
+    where = f"{mode.name}, placement separate" if separate else f"mode {mode.name}"
+    ctx = _context(cfg, rd_text, title=f"run {cfg.name!r}, {where}: {role.summary}", python=python,
+                   pythonpath=pythonpath, components=[comp], role=role.name, note=role.sbatch_note.splitlines(),
+                   main=_role_step(cfg, role, ["--kill-on-bad-exit=1"] if separate else []))
+    return JobScript(role.name, role.name, (role.name,), render_template("job", **ctx))
+
+
+def _render_hetjob(run_dir: RunDir | Path | str, cfg: RecipeConfig, mode: roles.ModeSpec, ranks: list[int], *,
+                   python: str | None, pythonpath: str | None) -> JobScript:
+    """ONE heterogeneous job: het group 0 the trainer-side role, het group 1 the other role (its ranks = task ids)."""
+    rd, rd_text, python, pythonpath = _prepare(run_dir, python, pythonpath)
+    main = mode.main
+    others = [r for r in mode.roles if r is not main]
+    if len(others) != 1:
+        raise UserError(f"placement hetjob runs a trainer-side role and one more role; mode {mode.name} has "
+                        f"{len(mode.roles)} roles: use launch.placement=separate")
+    (helper,) = others
+    n_helper = len(ranks) if helper.elastic else roles.num_ranks(cfg, helper)
+    head = _job_head(rd.slurm, rd.slurm_output("hetjob").name)
+    comp0 = _role_directives(cfg, main, job_name=cfg.name, ntasks=roles.num_ranks(cfg, main), head=head)
+    comp1 = _role_directives(cfg, helper, job_name=cfg.name, ntasks=n_helper, head=[])
+    title = (f"run {cfg.name!r}, {mode.name}, placement hetjob: het group 0 = {main.name}, "
+             f"het group 1 = {n_helper} {helper.noun}(s)")
+    ctx = _context(cfg, rd_text, title=title, python=python, pythonpath=pythonpath, components=[comp0, comp1],
+                   rollout_grace_s=ROLLOUT_GRACE_S, main_role=main.name, helper_role=helper.name,
+                   helper_noun=helper.noun,
+                   main=_role_step(cfg, main, ["--het-group=0", "--kill-on-bad-exit=1"]),
+                   helper=_role_step(cfg, helper, ["--het-group=1", "--kill-on-bad-exit=0"]))
+    return JobScript("hetjob", "hetjob", (main.name, helper.name), render_template("hetjob", **ctx),
+                     ranks=tuple(ranks) if helper.elastic else ())
+
+
+def render_role_array(run_dir: RunDir | Path | str, cfg: RecipeConfig, role: RoleSpec, ranks: Sequence[int], *,
+                      python: str | None = None, pythonpath: str | None = "auto") -> JobScript:
+    """A job array of an elastic role, one task per rank (``--array`` = the ranks), for placement separate."""
+    rd, rd_text, python, pythonpath = _prepare(run_dir, python, pythonpath)
+    ranks = sorted(set(int(r) for r in ranks))
+    if not ranks or ranks[0] < 0:
+        raise UserError(f"{role.name} ranks must be >= 0, got {ranks}")
+    spec = _ranges(ranks)
+    head = _job_head(rd.slurm, rd.slurm_output(role.name, "%A_%a").name, array=spec)
+    comp = _role_directives(cfg, role, job_name=f"{cfg.name}-{role.name}", ntasks=1, head=head, one_per_task=True)
+    ctx = _context(cfg, rd_text, title=f"run {cfg.name!r}, {cfg.mode}, placement separate: {role.summary} "
+                   f"{spec} (one array task each)", python=python, pythonpath=pythonpath, components=[comp],
+                   role=role.name, note=role.sbatch_note.splitlines(),
+                   main=_role_step(cfg, role, ["--ntasks=1"]))
+    return JobScript(f"{role.name}-{ranks[0]}-{ranks[-1]}", f"{role.name}_array", (role.name,),
+                     render_template("array", **ctx), ranks=tuple(ranks))
 
 
 def render_rollout_array(run_dir: RunDir | Path | str, cfg: RecipeConfig, ranks: Sequence[int], *,
                          python: str | None = None, pythonpath: str | None = "auto") -> JobScript:
-    """A job array of rollout workers, one task per rank (``--array`` = the ranks), for placement separate."""
-    rd = as_run_dir(run_dir)
-    rd_text = _check_path(rd.root, "run dir")
-    python = python or default_python()
-    if pythonpath == "auto":
-        pythonpath = default_pythonpath()
-    ranks = sorted(set(int(r) for r in ranks))
-    if not ranks or ranks[0] < 0:
-        raise UserError(f"rollout ranks must be >= 0, got {ranks}")
-    spec = _ranges(ranks)
-    stem = f"rollout-{ranks[0]}-{ranks[-1]}"
-    ro = cfg.launch.rollout
-    head = _job_head(rd.slurm, rd.slurm_output("rollout", "%A_%a").name, array=spec)
-    comp = _directives(cfg, ro, "launch.rollout", job_name=f"{cfg.name}-rollout", ntasks=1, nodes=1,
-                       tasks_per_node=1, head=head)
-    ctx = _context(cfg, rd_text, title=f"run {cfg.name!r}, fully_async, placement separate: rollout workers "
-                   f"{spec} (one array task each)", python=python, pythonpath=pythonpath, components=[comp],
-                   rollout=_step(ro, "launch.rollout", ["--ntasks=1"]))
-    return JobScript(stem, "rollout_array", ("rollout",), render_template("rollout", **ctx), ranks=tuple(ranks))
+    """A job array of the mode's elastic role (the rollout workers), one task per rank, for placement separate."""
+    elastic = roles.mode_spec(cfg).elastic
+    if elastic is None:
+        raise UserError(f"mode {cfg.mode} has no role whose ranks can be added")
+    return render_role_array(run_dir, cfg, elastic, ranks, python=python, pythonpath=pythonpath)
+
+
+def sweep_mode_problem(cfg: RecipeConfig) -> str | None:
+    """Why a sweep cannot run ``cfg``'s mode as one job per combination (None: it can)."""
+    if roles.mode_spec(cfg).sweepable:
+        return None
+    ok = [m.name for m in roles.MODES.values() if m.sweepable]
+    return (f"a Slurm sweep runs each combination as one job of a single role: set mode: {ok[0]} "
+            f"(or --set mode={ok[0]})")
 
 
 def render_sweep(sweep_dir: SweepDir | Path | str, cfg: RecipeConfig, num_runs: int, *, parallel: int,
                  python: str | None = None, pythonpath: str | None = "auto") -> JobScript:
-    """ONE job array for a sweep: task i runs combination i as a complete colocate run (at most ``parallel`` at once).
+    """ONE job array for a sweep: task i runs combination i as one complete single-role run (at most ``parallel``
+    at once).
 
     ``cfg`` is the first combination's config: resources, time and setup are the same for every task.
     """
     sd = sweep_dir if isinstance(sweep_dir, SweepDir) else SweepDir(sweep_dir)
     _check_path(sd.root, "sweep dir")
-    if cfg.mode != "colocate":
-        raise UserError("a sweep runs each combination as one colocate job: set mode: colocate "
-                        "(or --set mode=colocate)")
+    problem = sweep_mode_problem(cfg)
+    if problem:
+        raise UserError(problem)
+    if cfg.launch.trainer.launcher != "srun":
+        raise UserError("a sweep starts its runs with srun: set launch.trainer.launcher: srun")
     if num_runs < 1:
         raise UserError("a sweep needs at least one combination")
     python = python or default_python()
     if pythonpath == "auto":
         pythonpath = default_pythonpath()
-    tr = cfg.launch.trainer
+    role = roles.mode_spec(cfg).main
     array = f"0-{num_runs - 1}%{max(1, min(parallel, num_runs))}"
     head = _job_head(sd.slurm, sd.slurm_output().name, array=array)
-    comp = _directives(cfg, tr, "launch.trainer", job_name=f"{cfg.name}-sweep", ntasks=cfg.trainer.num_ranks,
-                       nodes=tr.nodes, tasks_per_node=tr.tasks_per_node, head=head)
+    comp = _role_directives(cfg, role, job_name=f"{cfg.name}-sweep", ntasks=roles.num_ranks(cfg, role), head=head)
     ctx = _context(cfg, "", title=f"sweep {cfg.name!r}: {num_runs} combination(s), one array task each, "
                    f"at most {max(1, min(parallel, num_runs))} at once", python=python, pythonpath=pythonpath,
-                   components=[comp], manifest=str(sd.manifest), trainer=_step(tr, "launch.trainer", []))
-    return JobScript("sweep", "sweep_array", ("colocate",), render_template("sweep", **ctx),
+                   components=[comp], manifest=str(sd.manifest), role=role.name,
+                   main=_role_step(cfg, role, []))
+    return JobScript("sweep", "sweep_array", (role.name,), render_template("sweep", **ctx),
                      ranks=tuple(range(num_runs)))

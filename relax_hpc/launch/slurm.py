@@ -31,6 +31,7 @@ from relax_hpc.launch import slurm_cli
 from relax_hpc.launch.sbatch import JobScript, as_run_dir, render_run
 from relax_hpc.launch.slurm_cli import slurm_available
 from relax_hpc.launch.slurm_time import time_limit_warnings
+from relax_hpc.roles import spec as roles
 from relax_hpc.rundir import RunDir, proc_name
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def read_launch_record(run_dir: RunDir | Path | str) -> dict[str, Any]:
     """The run's ``launch.json`` ({} when nothing was launched yet)."""
     rd = as_run_dir(run_dir)
     try:
-        rec = read_json(rd.launch_record, default={})
+        rec = read_json(rd.launch_record, default={}, expect=dict)
     except ValueError as exc:
         raise UserError(f"{rd.launch_record} is not valid JSON: {exc}") from None
     return rec if isinstance(rec, dict) else {}
@@ -127,16 +128,16 @@ def launch(run_dir: RunDir | Path | str, cfg: RecipeConfig, *, dry_run: bool = F
     if not rd.config.is_file():
         raise UserError(f"{rd.config} is missing: the roles read the resolved config from there")
     previous = read_launch_record(rd)
+    elastic = roles.mode_spec(cfg).elastic
     for s in scripts:  # ranks started again must not obey an old drain request
-        for r in s.ranks:
-            clear_drain(rd, proc_name("rollout", r))
+        for r in s.ranks if elastic is not None and elastic.name in s.roles else ():
+            clear_drain(rd, proc_name(elastic.name, r))
     entries = submit_scripts(rd, scripts, sbatch_args=sbatch_args)
     history = list(previous.get("history", []))
     if previous.get("jobs"):
         history.append({"submitted": previous.get("submitted"), "executor": previous.get("executor"),
                         "jobs": previous.get("jobs")})
-    record = {"executor": "slurm", "mode": cfg.mode,
-              "placement": cfg.launch.placement if cfg.mode == "fully_async" else None,
+    record = {"executor": "slurm", "mode": cfg.mode, "placement": roles.placement(cfg),
               "submitted": time.time(), "jobs": entries, "retired": [], "history": history, "warnings": warnings}
     write_launch_record(rd, record)
     return record

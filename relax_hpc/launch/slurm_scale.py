@@ -21,7 +21,19 @@ from relax_hpc.fsio import read_json
 from relax_hpc.launch import slurm_cli
 from relax_hpc.launch.sbatch import render_rollout_array
 from relax_hpc.launch.slurm import read_launch_record, request_drain, submit_scripts, write_launch_record
+from relax_hpc.roles import spec as roles
 from relax_hpc.rundir import RunDir, proc_name
+
+
+def _task_of(entry: dict[str, Any], rank: int) -> str | None:
+    """The Slurm id of one elastic-role rank of a launch-record entry: its array task, or its het component."""
+    names = list(entry.get("roles") or [entry.get("role")])
+    elastic = [i for i, n in enumerate(names) if roles.is_elastic(n)]
+    if not elastic:
+        return None
+    if len(names) == 1:
+        return f"{entry['job_id']}_{rank}"
+    return f"{entry['job_id']}+{elastic[0]}"
 
 
 def rollout_workers(rec: dict[str, Any], q: slurm_cli.JobQuery) -> dict[int, dict[str, Any]]:
@@ -30,17 +42,13 @@ def rollout_workers(rec: dict[str, Any], q: slurm_cli.JobQuery) -> dict[int, dic
     out: dict[int, dict[str, Any]] = {}
     for e in rec.get("jobs", []):
         for rank in e.get("ranks", []):
-            if e.get("kind") == "rollout_array":
-                task = f"{e['job_id']}_{rank}"
-                row = q.rows.get(task)
-            elif e.get("kind") == "hetjob":
-                task = f"{e['job_id']}+1"
-                row = q.rows.get(task)
-            else:
+            task = _task_of(e, int(rank))
+            if task is None:
                 continue
+            row = q.rows.get(task)
             out[int(rank)] = {"job_id": task, "state": row.state if row else "UNKNOWN",
                               "active": bool(row and row.active), "retired": int(rank) in retired,
-                              "kind": e.get("kind")}
+                              "kind": e.get("kind"), "array": "+" not in task}
     return out
 
 
@@ -58,8 +66,12 @@ def scale_rollout(run_dir: RunDir | Path | str, target: int, *, wait: bool = Tru
     if rec.get("executor") != "slurm":
         raise UserError(f"scale works for runs launched on Slurm; {rd.root} was launched with executor "
                         f"{rec.get('executor') or '(none)'}")
-    if rec.get("mode") != "fully_async":
-        raise UserError("scale needs mode fully_async (in colocate mode every rank trains and generates)")
+    mode = roles.MODES.get(str(rec.get("mode")))
+    elastic = mode.elastic if mode is not None else None
+    if elastic is None:
+        ok = ", ".join(m.name for m in roles.MODES.values() if m.elastic)
+        raise UserError(f"scale needs a mode whose workers can be added or drained ({ok}); this run's mode is "
+                        f"{rec.get('mode') or '(none)'}")
     q = slurm_cli.query_jobs([e["job_id"] for e in rec.get("jobs", [])], use_sacct=False)
     workers = rollout_workers(rec, q)
     active = _active(workers)
@@ -83,10 +95,10 @@ def scale_rollout(run_dir: RunDir | Path | str, target: int, *, wait: bool = Tru
         cancel_now = [r for r in victims if r in pending]
         drain = [r for r in victims if r not in pending]
         for r in drain:
-            request_drain(rd, proc_name("rollout", r))
+            request_drain(rd, proc_name(elastic.name, r))
         rec["retired"] = sorted(set(rec.get("retired", [])) | set(victims))
         write_launch_record(rd, rec)
-        slurm_cli.scancel(workers[r]["job_id"] for r in cancel_now if workers[r]["kind"] == "rollout_array")
+        slurm_cli.scancel(workers[r]["job_id"] for r in cancel_now if workers[r]["array"])
         out["cancelled"] += cancel_now
         out["drained"] = drain
         if drain and wait:
@@ -98,7 +110,7 @@ def scale_rollout(run_dir: RunDir | Path | str, target: int, *, wait: bool = Tru
 def _reap_drained(drain: Sequence[int], workers: dict[int, dict[str, Any]], timeout_s: float,
                   warnings: list[str]) -> list[int]:
     """Wait for drained array tasks to end; cancel (by task id) those still running after ``timeout_s``."""
-    tasks = {r: workers[r]["job_id"] for r in drain if workers[r]["kind"] == "rollout_array"}
+    tasks = {r: workers[r]["job_id"] for r in drain if workers[r]["array"]}
     if len(tasks) < len(drain):
         warnings.append("hetjob rollout workers were asked to drain; their het group keeps its allocation")
     end = time.monotonic() + timeout_s

@@ -5,8 +5,9 @@ How a step's duration is estimated, best source first:
 1. measured: the median ``perf/step_time`` of the last metrics records in the run dir (a resumed run);
 2. otherwise a deliberately rough throughput model: tokens per step = ``prompts_per_step x n_samples x
    (max_new_tokens + 64)``; generation at ~2,000 tokens/s per GPU (hf engine; ~10,000 with sglang) or ~300
-   tokens/s per CPU worker; training at ~20,000 tokens/s per GPU or ~2,000 per CPU rank. colocate adds the two
-   phases, fully_async overlaps them (the slower one sets the pace).
+   tokens/s per CPU worker; training at ~20,000 tokens/s per GPU or ~2,000 per CPU rank. The roles that generate
+   and train come from the role table: when one role does both (colocate) the two phases add up, when different
+   roles do them (fully_async) they overlap (the slower one sets the pace).
 
 The usable time of one job is ``time_min x 60 - signal_delay_s - 60 s`` (start-up). When ``checkpoint_every`` steps
 take longer than that, a job that dies without the preemption signal's grace (node failure, hard kill) loses all
@@ -20,6 +21,7 @@ import statistics
 from pathlib import Path
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.roles import spec as roles
 from relax_hpc.rundir import RunDir, proc_name
 
 STARTUP_S = 60.0
@@ -41,7 +43,7 @@ def _tail_lines(path: Path, max_bytes: int = 262_144) -> list[str]:
 
 def measured_step_time(rd: RunDir, *, last: int = 20) -> float | None:
     """Median ``perf/step_time`` of the trainer's last ``last`` metrics records, if any were logged."""
-    for role in ("trainer", "colocate"):
+    for role in roles.trainer_side_names():
         times = []
         for line in reversed(_tail_lines(rd.event_log(proc_name(role, 0)))):
             try:
@@ -58,23 +60,26 @@ def measured_step_time(rd: RunDir, *, last: int = 20) -> float | None:
     return None
 
 
+def _gpus_and_ranks(cfg: RecipeConfig, role: roles.RoleSpec) -> tuple[int, int]:
+    """(GPUs, ranks) of a role: an elastic role in placement ``separate`` has one node per rank (a job array)."""
+    res, n = roles.resources(cfg, role), roles.num_ranks(cfg, role)
+    one_node_each = role.elastic and roles.placement(cfg) == "separate"
+    return res.gpus_per_node * (n if one_node_each else res.nodes), n
+
+
 def modelled_step_time(cfg: RecipeConfig) -> float:
     """The rough throughput model of the module docstring (seconds per trainer step)."""
-    ro, tr = cfg.launch.rollout, cfg.launch.trainer
     tokens = cfg.rollout.prompts_per_step * cfg.rollout.n_samples * (cfg.rollout.sampling.max_new_tokens
                                                                      + PROMPT_TOKENS)
     per_gpu = 10_000.0 if cfg.rollout.engine == "sglang" else 2_000.0
-    if cfg.mode == "colocate":
-        gpus = tr.gpus_per_node * tr.nodes
-        gen_rate = per_gpu * gpus if gpus else 300.0 * cfg.trainer.num_ranks
-    else:
-        gpus = ro.gpus_per_node * ro.nodes if cfg.launch.placement == "hetjob" else ro.gpus_per_node * \
-            cfg.rollout.num_workers
-        gen_rate = per_gpu * gpus if gpus else 300.0 * cfg.rollout.num_workers
-    train_gpus = tr.gpus_per_node * tr.nodes
-    train_rate = 20_000.0 * train_gpus if train_gpus else 2_000.0 * cfg.trainer.num_ranks
+    mode = roles.mode_spec(cfg)
+    gen = [_gpus_and_ranks(cfg, r) for r in mode.roles if r.generates]
+    train = [_gpus_and_ranks(cfg, r) for r in mode.roles if r.trains]
+    gen_gpus, train_gpus = sum(g for g, _ in gen), sum(g for g, _ in train)
+    gen_rate = per_gpu * gen_gpus if gen_gpus else 300.0 * sum(n for _, n in gen)
+    train_rate = 20_000.0 * train_gpus if train_gpus else 2_000.0 * sum(n for _, n in train)
     gen_s, train_s = tokens / gen_rate, tokens / train_rate
-    return gen_s + train_s if cfg.mode == "colocate" else max(gen_s, train_s)
+    return max(gen_s, train_s) if mode.overlapped else gen_s + train_s
 
 
 def time_limit_warnings(cfg: RecipeConfig, rd: RunDir | None = None) -> list[str]:

@@ -26,7 +26,8 @@ from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.errors import ConfigError, UserError
 from relax_hpc.fsio import atomic_write_json, atomic_write_text, read_json
 from relax_hpc.launch import slurm_cli
-from relax_hpc.launch.sbatch import default_pythonpath, render_sweep
+from relax_hpc.launch.sbatch import default_pythonpath, render_sweep, sweep_mode_problem
+from relax_hpc.roles import spec as roles
 from relax_hpc.rundir import RunDir, SweepDir, proc_name
 
 
@@ -87,9 +88,9 @@ def prepare(recipe: Path | str, grid_items: Sequence[str], sweep_dir: Path | str
             raise UserError(f"combination {i} ({' '.join(combo)}): {'; '.join(exc.problems)}") from None
         runs.append({"index": i, "label": label(combo), "overrides": combo,
                      "run_dir": str(sd.run(i, label(combo)))})
-    if executor == "slurm" and cfgs[0].mode != "colocate":
-        raise UserError("a Slurm sweep runs each combination as one colocate job: set mode: colocate "
-                        "(or --set mode=colocate)")
+    problem = sweep_mode_problem(cfgs[0]) if executor == "slurm" else None
+    if problem:
+        raise UserError(problem)
     manifest = {"recipe": str(Path(recipe).absolute()), "overrides": list(overrides),
                 "grid": parse_grid(grid_items), "executor": executor, "parallel": parallel,
                 "created": time.time(), "runs": runs}
@@ -117,13 +118,14 @@ def submit_slurm(sd: SweepDir, manifest: dict[str, Any], cfgs: Sequence[RecipeCo
     atomic_write_text(sd.slurm_script, script.text)
     sd.slurm_script.chmod(0o755)
     array_id = slurm_cli.sbatch(sd.slurm_script)
+    role = roles.mode_spec(cfgs[0]).main.name
     for run in manifest["runs"]:
         rd = RunDir(run["run_dir"])
         atomic_write_json(rd.launch_record, {
-            "executor": "slurm", "mode": "colocate", "placement": None, "sweep": str(sd.root),
+            "executor": "slurm", "mode": cfgs[0].mode, "placement": None, "sweep": str(sd.root),
             "submitted": time.time(), "retired": [], "history": [],
-            "jobs": [{"job_id": f"{array_id}_{run['index']}", "kind": "sweep_task", "role": "colocate",
-                      "roles": ["colocate"], "ranks": [], "script": str(sd.slurm_script)}]})
+            "jobs": [{"job_id": f"{array_id}_{run['index']}", "kind": "sweep_task", "role": role,
+                      "roles": [role], "ranks": [], "script": str(sd.slurm_script)}]})
     record = {"executor": "slurm", "array_job_id": array_id, "parallel": manifest["parallel"],
               "num_runs": len(cfgs), "submitted": time.time()}
     atomic_write_json(sd.launch_record, record)
@@ -215,13 +217,26 @@ def _last_metrics(path: Path, max_bytes: int = 1 << 20) -> dict[str, Any] | None
     return fallback
 
 
+def check_manifest(manifest: dict[str, Any], sd: SweepDir) -> None:
+    """A sweep.json whose ``runs`` are not entries with an integer ``index`` and a ``run_dir`` is damaged."""
+    runs, grid = manifest.get("runs"), manifest.get("grid") or {}
+    ok = isinstance(runs, list) and isinstance(grid, dict) and all(
+        isinstance(r, dict) and isinstance(r.get("index"), int) and isinstance(r.get("run_dir"), str)
+        and isinstance(r.get("overrides"), list) and len(r["overrides"]) == len(grid)
+        and all(isinstance(o, str) for o in r["overrides"]) for r in runs)
+    if not ok:
+        raise UserError(f"cannot read {sd.manifest}: damaged (`runs` must list objects with an index, a run_dir "
+                        "and one override per grid key)")
+
+
 def sweep_status(sweep_dir: SweepDir | Path | str) -> dict[str, Any]:
     """Per combination: overrides, state, last step and final metrics (plus the array task's Slurm state)."""
     sd = sweep_dir if isinstance(sweep_dir, SweepDir) else SweepDir(sweep_dir)
-    manifest = read_json(sd.manifest, default=None)
-    if not isinstance(manifest, dict):
+    manifest = read_json(sd.manifest, default=None, expect=(dict, type(None)))
+    if manifest is None:
         raise UserError(f"{sd.root} is not a sweep dir (no {sd.manifest.name})")
-    record = read_json(sd.launch_record, default={}) or {}
+    check_manifest(manifest, sd)
+    record = read_json(sd.launch_record, default={}, expect=dict) or {}
     tasks: dict[str, slurm_cli.JobState] = {}
     warnings: list[str] = []
     if record.get("executor") == "slurm" and record.get("array_job_id"):
@@ -234,9 +249,9 @@ def sweep_status(sweep_dir: SweepDir | Path | str) -> dict[str, Any]:
     rows = []
     for run in manifest["runs"]:
         rd = RunDir(run["run_dir"])
-        final = read_json(rd.status_file, default=None) if rd.root.is_dir() else None
+        final = read_json(rd.status_file, default=None, expect=dict) if rd.root.is_dir() else None
         rec = None
-        for role in ("trainer", "colocate"):
+        for role in roles.trainer_side_names():
             rec = _last_metrics(rd.event_log(proc_name(role, 0)))
             if rec:
                 break
@@ -283,7 +298,7 @@ def cancel_sweep(sweep_dir: SweepDir | Path | str, *, timeout_s: float = 30.0, w
     from relax_hpc.launch.runctl import proc_alive
 
     sd = sweep_dir if isinstance(sweep_dir, SweepDir) else SweepDir(sweep_dir)
-    record = read_json(sd.launch_record, default={}) or {}
+    record = read_json(sd.launch_record, default={}, expect=dict) or {}
     out: dict[str, Any] = {"cancelled_jobs": [], "signalled_pids": [], "killed_pids": [], "still_active": []}
     if record.get("executor") == "slurm" and record.get("array_job_id"):
         aid = str(record["array_job_id"])

@@ -91,6 +91,10 @@ def load_model(cfg: ModelConfig, tokenizer: Any, *, device: str, dtype: Any, see
         model.set_attn_implementation(attn)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if str(device).startswith("cuda"):  # one fused kernel per RMSNorm (models/fused.py)
+        from relax_hpc.models.fused import fuse_rms_norms
+
+        fuse_rms_norms(model)
     return model
 
 
@@ -107,4 +111,12 @@ def _auto_class(src: str, trust_remote_code: bool) -> Any:
         from transformers import Qwen2AudioForConditionalGeneration
 
         return Qwen2AudioForConditionalGeneration
+    if model_type in ("qwen2_5_omni", "qwen2_5_omni_thinker"):  # the thinker: text out; no talker, no speech
+        from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+        return Qwen2_5OmniThinkerForConditionalGeneration
+    if model_type in ("qwen3_omni_moe", "qwen3_omni_moe_thinker"):
+        from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+        return Qwen3OmniMoeThinkerForConditionalGeneration
     return AutoModelForCausalLM

@@ -55,7 +55,8 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, *, seed: int = 0, pa
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.hidden_size // cfg.num_heads, max_position_embeddings=cfg.max_position,
-        tie_word_embeddings=True, pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        tie_word_embeddings=cfg.tie_embeddings, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
         attn_implementation="sdpa",
     )
     with torch.random.fork_rng(devices=[]):

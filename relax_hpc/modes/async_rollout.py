@@ -1,12 +1,20 @@
 """Role ``rollout`` of mode ``fully_async``: generate groups with the latest published weights, write them to the
 sample store, and pause when the store's backlog shows the trainer would find them too stale.
 
-Admission control (:mod:`relax_hpc.modes.admission`): a batch generated now with weights ``v`` is consumed after
+Generation, rewards, groups and the store write are the rollout driver's (:mod:`relax_hpc.rollout.driver`); the
+worker holds no model: its engine loads its own weights, and new ones go in through ``engine.receive``
+(:mod:`relax_hpc.rollout.weight_sync`: over the fast path when the trainer has one, the snapshot files the truth).
+
+Admission control (:mod:`relax_hpc.rollout.admission`): a batch generated now with weights ``v`` is consumed after
 the backlog and the batches other workers are generating, so its staleness is about ``1 + ahead / prompts_per_step``
 versions. A worker claims room for a batch only while ``ahead + batch <= max(max_staleness, 1) * prompts_per_step``;
 otherwise it pauses (counted in ``perf/rollout_pause_time``). Weights are picked up between generation batches.
 A worker stops when the run's STATUS.json appears, when asked to drain (control file), or on SIGTERM/SIGUSR2
 (it is stateless: a restarted worker rejoins at the latest version with a new writer id).
+
+Sampling and the prompt stream are seeded from the recipe seed, the worker index and how many times this worker
+index started before in this run (:func:`relax_hpc.modes.components.worker_seeds`): a run is reproducible, and a
+restarted worker does not repeat its predecessor's prompts.
 """
 
 from __future__ import annotations
@@ -14,16 +22,19 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.events import EventLog, Heartbeat
 from relax_hpc.fsio import read_json, wait_for
-from relax_hpc.launch.exitcodes import EXIT_OK, EXIT_REQUEUE
-from relax_hpc.launch.signals import StopFlag
+from relax_hpc.health import RunHealth
+from relax_hpc.lifecycle import EXIT_OK, EXIT_REQUEUE, StopFlag
 from relax_hpc.rundir import RunDir, proc_name
+from relax_hpc.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
+
+Outcome = Literal["room", "weights", "stop"]
 
 
 def drain_requested(run_dir: RunDir, proc: str) -> bool:
@@ -31,148 +42,203 @@ def drain_requested(run_dir: RunDir, proc: str) -> bool:
     return isinstance(req, dict) and req.get("action") in ("drain", "stop")
 
 
+def starts_before(run_dir: RunDir, proc: str) -> int:
+    """How many times ``proc`` started before in this run (its ``started`` events)."""
+    path = run_dir.event_log(proc)
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return 0
+    return sum(1 for line in text.splitlines() if '"kind": "event"' in line and '"event": "started"' in line)
+
+
 def run_rollout_worker(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0) -> int:
     """Generate until the run ends. Returns an exit code."""
-    from relax_hpc.modes import components as C
-    from relax_hpc.modes.admission import Admission
-    from relax_hpc.rollout.groups import build_groups, score_completions
-    from relax_hpc.store import ShardWriter, backlog, new_writer_id
-    from relax_hpc.store.watch import files_watch
-    from relax_hpc.weights import SnapshotReader, latest_version
+    worker = RolloutWorker(run_dir, cfg, rank)
+    try:
+        worker.start()
+        while not worker.should_stop():
+            worker.cycle()
+    finally:
+        worker.close()
+    return EXIT_REQUEUE if worker.stop.is_set and not worker.finished() else EXIT_OK
 
-    proc = proc_name("rollout", rank)
-    stop = StopFlag()
-    events = EventLog(run_dir, "rollout", rank)
-    hb = Heartbeat(run_dir, "rollout", rank)
-    hb.start_thread()
-    writer_id = new_writer_id(proc)
-    events.event("started", f"rollout worker {rank} (writer {writer_id})")
-    C.check_backends(cfg)
-    C.seed_everything(cfg.seed + 7919 * (rank + 1) + int(time.time()) % 100_003)
-    policy = C.build_policy(cfg, device_pref=cfg.rollout.device)
-    engine = C.build_engine(cfg, policy, seed=cfg.seed + rank)
-    stream = C.build_prompt_stream(cfg, policy.tokenizer, seed_offset=1000 * (rank + 1) + int(time.time()) % 997)
-    rewards = C.build_reward_runner(cfg)
-    writer = ShardWriter(run_dir, writer_id)
-    reader = SnapshotReader(run_dir, name=proc)
-    fast = None
-    if cfg.weights.fast_path != "off":
-        from relax_hpc.weights.fastpath import FastPathClient, link_device
 
-        fast = FastPathClient(run_dir, rank, device=link_device(cfg.weights.fast_path, policy.device))
+class RolloutWorker:
+    """One fully_async rollout worker: weights in, room claimed, a batch through the driver, metrics out."""
 
-    def finished() -> bool:
-        return run_dir.status_file.exists()
+    def __init__(self, run_dir: RunDir, cfg: RecipeConfig, rank: int):
+        from relax_hpc.models.load import load_tokenizer
+        from relax_hpc.modes import components as C
+        from relax_hpc.rollout.admission import Admission
+        from relax_hpc.rollout.driver import RolloutDriver
+        from relax_hpc.rollout.hf_engine import sampling_params
+        from relax_hpc.store import ShardWriter, new_writer_id
+        from relax_hpc.store.watch import files_watch
 
-    gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s, GIL held
-    first = wait_for(lambda: latest_version(run_dir) is not None or finished() or stop.is_set,
-                     what="the first weight snapshot", timeout_s=cfg.store.wait_timeout_s, logger=log)
-    del first
-    P = cfg.rollout.prompts_per_step
-    limit = max(cfg.max_staleness, 1) * P
-    admission = Admission(run_dir, proc, limit=limit, max_age_s=max(600.0, 4 * cfg.monitor.dead_after_s))
-    watch = files_watch(run_dir.consumer_planned("trainer"), run_dir.weights_latest, run_dir.claims)
+        self.run_dir, self.cfg, self.rank = run_dir, cfg, rank
+        self.proc = proc = proc_name("rollout", rank)
+        self.stop = StopFlag()
+        incarnation = starts_before(run_dir, proc)
+        self.events = EventLog(run_dir, "rollout", rank)
+        self.hb = Heartbeat(run_dir, "rollout", rank)
+        self.hb.start_thread()
+        writer_id = new_writer_id(proc)
+        self.events.event("started", f"rollout worker {rank} (writer {writer_id}, start {incarnation + 1})")
+        self.health = RunHealth(cfg, self.events)  # alerts on runs that cannot learn
+        C.check_backends(cfg)
+        seed, stream_offset = C.worker_seeds(cfg, rank, incarnation)
+        C.seed_everything(seed)
+        tok = load_tokenizer(cfg.model)
+        self.engine = C.build_engine(cfg, tok, seed=seed, run_dir=run_dir, proc=proc, events=self.events)
+        self.stream = C.build_rollout_stream(cfg, tok, seed_offset=stream_offset)
+        self.admission = Admission(run_dir, proc, limit=max(cfg.max_staleness, 1) * cfg.rollout.prompts_per_step,
+                                   max_age_s=max(600.0, 4 * cfg.monitor.dead_after_s))
+        self.driver = RolloutDriver(self.engine, tok, C.build_reward_runner(cfg, engine=self.engine, tokenizer=tok,
+                                                                      name=writer_id),
+                                    sampling=sampling_params(cfg.rollout.sampling, cfg.rollout.n_samples),
+                                    writer_id=writer_id, writer=ShardWriter(run_dir, writer_id),
+                                    episode=C.build_episode(cfg, tok),
+                                    admission=self.admission)
+        self.sync = self._weight_sync()
+        self.watch = files_watch(run_dir.consumer_planned("trainer"), run_dir.weights_latest, run_dir.claims)
+        self.pause_total = 0.0
+        self.carried = PhaseTimer()  # pause and weight loads of cycles that ended in a reload, not yet logged
 
-    def store_backlog() -> int:
-        return backlog(run_dir).groups
-    hb.beat(state="running", force=True)
-    counter = 0
-    pause_total = 0.0
-    carried = {"pause": 0.0, "sync": 0.0}  # pause and weight loads of passes that ended in a reload, not yet logged
-    while not (finished() or stop.is_set or drain_requested(run_dir, proc)):
-        t_sync = 0.0
-        newest = latest_version(run_dir)
-        sync_path = ""
-        if newest is not None and (newest > engine.version or counter == 0):
-            t0 = time.perf_counter()
-            # the first weights come from the files (a late joiner starts at once); updates over the fast path
-            got = fast.pull(engine.version, policy.model) if fast is not None and counter else None
-            if got is not None and got >= newest:
-                engine.version, sync_path = got, "fast"
-            else:  # the files are the truth: late joiners, a broken link, or no fast path
-                engine.version, sync_path = _load_latest(run_dir, reader, policy.model, cfg.weights.verify), "file"
-            t_sync = time.perf_counter() - t0
-            hb.beat(version=engine.version)
+    def _weight_sync(self) -> Any:
+        from relax_hpc.modes.async_trainer import server_fast_path
+        from relax_hpc.rollout.weight_sync import FastPathStream, WeightSync
+
+        cfg = self.cfg
+        fast: Any = None  # a ServerFastPath or a FastPathStream: fetch(have), close(), and the stream itself
+        template = self.engine.weight_template()
+        if server_fast_path(cfg):  # trainer rank 0 broadcasts into this worker's server
+            from relax_hpc.rollout.server.fastpath import ServerFastPath
+
+            fast = ServerFastPath(self.run_dir, self.rank, timeout_s=min(30.0, cfg.rollout.server.sync_timeout_s))
+        elif cfg.rollout.engine == "vllm" and cfg.rollout.server.weight_sync == "distributed":
+            self.events.event("weight_sync_files", "rollout.server.weight_sync=distributed: vLLM's weight-transfer "
+                              "engine needs its NCCL communicator on the trainer side, which is not wired; the vllm "
+                              "servers load the snapshot files", level="warning")
+        elif cfg.weights.fast_path != "off" and template is not None:
+            from relax_hpc.weights.fastpath import FastPathClient, link_device
+
+            device = link_device(cfg.weights.fast_path, str(getattr(self.engine, "device", "cpu")))
+            fast = FastPathStream(FastPathClient(self.run_dir, self.rank, device=device), template)
+        return WeightSync(self.run_dir, self.engine, reader=self.proc, verify=cfg.weights.verify, fast=fast)
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def finished(self) -> bool:
+        return self.run_dir.status_file.exists()
+
+    def should_stop(self) -> bool:
+        return self.finished() or self.stop.is_set or drain_requested(self.run_dir, self.proc)
+
+    def start(self) -> None:
+        gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s
+        wait_for(lambda: self.sync.newest() is not None or self.finished() or self.stop.is_set,
+                 what="the first weight snapshot", timeout_s=self.cfg.store.wait_timeout_s, logger=log)
+        self.hb.beat(state="running", force=True)
+
+    def cycle(self) -> None:
+        """Weights if newer, room for a batch, the batch, its metrics."""
+        timer = PhaseTimer()
+        path = self._update_weights(timer)
+        outcome = self._wait_for_room(timer)
+        if outcome == "stop":
+            return
+        if outcome == "weights":  # new weights while paused: reload before generating
+            for k, v in timer.seconds.items():
+                self.carried.add(k, v)
+            return
+        path = self._fast_pull(timer) or path
+        for k, v in self.carried.seconds.items():
+            timer.add(k, v)
+        self.carried.reset()
+        with timer.phase("preprocess"):  # inline: the media are made now; with the pool: the wait for them
+            batch = self.stream.next_batch(self.cfg.rollout.batch_prompts)
+        res = self.driver.run_batch(batch, timer)
+        self._log(res, timer, path)
+
+    def _update_weights(self, timer: PhaseTimer) -> str:
+        newest = self.sync.newest()
+        first = self.driver.counter == 0
+        if newest is None or not (newest > self.engine.version or first):
+            return ""
+        with timer.phase("sync"):
+            _, path = self.driver.call(self.sync.update(files_first=first))
+        self.hb.beat(version=self.engine.version)
+        return path
+
+    def _fast_pull(self, timer: PhaseTimer) -> str:
+        """The trainer hands new weights to the fast path before it frees room in the store, so they are often
+        here before LATEST names them."""
+        if self.sync.fast is None or self.driver.counter == 0:
+            return ""
+        have = self.engine.version
+        with timer.phase("sync"):
+            got = self.driver.call(self.sync.pull_fast())
+        if got is None or got <= have:
+            return ""
+        self.hb.beat(version=self.engine.version)
+        return "fast"
+
+    def _wait_for_room(self, timer: PhaseTimer) -> Outcome:
+        """Claim room for the next batch, pausing while there is none. The trainer frees room once per step: react
+        within a millisecond (for the first second of a pause; then every 20 ms). A poll is a few stats; the
+        backlog, the claims and LATEST are read again only when the planned position, the claims folder or LATEST
+        changed (or every 50 ms)."""
+        from relax_hpc.store import backlog
+
+        groups = self.cfg.rollout.batch_prompts
+
+        def store_backlog() -> int:
+            return backlog(self.run_dir).groups
+
         t0 = time.perf_counter()
+        seen = self.sync.newest()
         paused = False
-        seen = newest
-        # The trainer frees room once per step: react within a millisecond (for the first second of a pause; then
-        # every 20 ms). A poll is a few stats; the backlog, the claims and LATEST are read again only when the
-        # planned position, the claims folder or LATEST changed (or every 50 ms).
-        room = admission.try_claim(cfg.rollout.batch_prompts, store_backlog)
-        while not room and not (finished() or stop.is_set):
-            if not paused and time.perf_counter() - t0 > 0.5:  # the monitor shows pauses, not each step's wait
-                hb.beat(state="paused")
-                paused = True
-            stop.wait(0.0005 if time.perf_counter() - t0 < 1.0 else 0.02)
-            if watch.changed():
-                newest = latest_version(run_dir)
-                if newest is not None and newest != seen:
-                    break  # new weights while paused: reload before generating
-                room = admission.try_claim(cfg.rollout.batch_prompts, store_backlog)
-        pause = time.perf_counter() - t0
-        pause_total += pause
+        outcome: Outcome = "room"
+        with timer.phase("pause"):
+            room = self.admission.try_claim(groups, store_backlog)
+            while not room and not (self.finished() or self.stop.is_set):
+                waited = time.perf_counter() - t0
+                if not paused and waited > 0.5:  # the monitor shows pauses, not each step's wait
+                    self.hb.beat(state="paused")
+                    paused = True
+                self.stop.wait(0.0005 if waited < 1.0 else 0.02)
+                if self.watch.changed():
+                    newest = self.sync.newest()
+                    if newest is not None and newest != seen:
+                        outcome = "weights"
+                        break
+                    room = self.admission.try_claim(groups, store_backlog)
+        self.pause_total += timer.get("pause")
         if paused:
-            hb.beat(state="running")
-        if finished() or stop.is_set:
-            break
-        if newest is not None and newest != seen:
-            carried["pause"] += pause
-            carried["sync"] += t_sync
-            continue
-        if fast is not None and counter:  # the trainer hands new weights to the fast path before it frees room in
-            t0 = time.perf_counter()  # the store, so they are often here before LATEST names them
-            got = fast.pull(engine.version, policy.model)
-            if got is not None and got > engine.version:
-                engine.version, sync_path = got, "fast"
-                hb.beat(version=engine.version)
-            t_sync += time.perf_counter() - t0
-        pause, t_sync = pause + carried["pause"], t_sync + carried["sync"]
-        carried = {"pause": 0.0, "sync": 0.0}
-        t0 = time.perf_counter()
-        batch = stream.next_batch(cfg.rollout.batch_prompts)
-        completions = engine.generate([p.prompt_ids for p in batch], cfg.rollout.n_samples,
-                                      multimodal=[p.multimodal for p in batch])
-        t_gen = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _, scored = score_completions(rewards, policy.tokenizer, batch, completions)
-        t_reward = time.perf_counter() - t0
-        groups, counts = build_groups(batch, completions, scored, writer_id=writer_id, counter=counter,
-                                      version=engine.version)
-        counter += len(batch)
-        t0 = time.perf_counter()
-        if groups:
-            writer.write(groups)
-        admission.release()  # after the shard is published: its groups now count in the backlog
-        t_write = time.perf_counter() - t0
-        sync_metrics = {f"perf/update_weights_time_{sync_path}": t_sync} if sync_path else {}
-        events.metrics({"rollout/generate_time": t_gen, "perf/rollout_pause_time": pause,
-                        "perf/update_weights_time": t_sync, "rollout/version": float(engine.version),
-                        "perf/reward_time": t_reward, "perf/store_write_time": t_write,
-                        "weights/fast_path_used": float(sync_path == "fast"), **sync_metrics,
-                        "rollout/groups": float(len(groups)), **counts}, step=engine.version)
-        hb.beat(step=counter, version=engine.version)
-    admission.release()
-    if fast is not None:
-        fast.close()
-    events.event("stopped", f"rollout worker {rank} stopping after {counter} prompts "
-                            f"(paused {pause_total:.1f}s)", step=engine.version)
-    hb.stop("stopped")
-    return EXIT_REQUEUE if stop.is_set and not finished() else EXIT_OK
+            self.hb.beat(state="running")
+        return "stop" if self.finished() or self.stop.is_set else outcome
 
+    def _log(self, res: Any, timer: PhaseTimer, path: str) -> None:
+        v = self.engine.version
+        sync = timer.get("sync")
+        self.events.metrics({
+            **timer.metrics({"preprocess": "perf/preprocess_wait_time",
+                             "generate": "rollout/generate_time", "pause": "perf/rollout_pause_time",
+                             "sync": "perf/update_weights_time", "reward": "perf/reward_time",
+                             "store_write": "perf/store_write_time"}),
+            "rollout/version": float(v), "weights/fast_path_used": float(path == "fast"),
+            **({f"perf/update_weights_time_{path}": sync} if path else {}),
+            "rollout/groups": float(len(res.groups)), **res.counts, **self.stream.stats(),
+            **self.engine.metrics()}, step=v)
+        self.health.check({"reward/errors": float(res.reward_errors), "reward/samples": float(res.samples)}, v)
+        self.hb.beat(step=self.driver.counter, version=v)
 
-def _load_latest(run_dir: RunDir, reader: Any, model: Any, verify: str, attempts: int = 20) -> int:
-    """Load the newest complete snapshot. A snapshot can be retired between reading LATEST and taking the lease
-    when the trainer publishes fast: then look again (bounded), rather than fail the worker."""
-    from relax_hpc.errors import SnapshotError
-    from relax_hpc.weights import latest_version
-
-    last: Exception | None = None
-    for _ in range(attempts):
-        newest = latest_version(run_dir)
-        try:
-            return int(reader.load_into(model, newest, verify=verify))
-        except SnapshotError as exc:
-            last = exc
-            time.sleep(0.05)
-    raise SnapshotError(f"no snapshot could be loaded after {attempts} attempts: {last}")
+    def close(self) -> None:
+        self.admission.release()
+        self.driver.stop()
+        self.sync.close()
+        self.driver.close()
+        self.stream.close()
+        self.events.event("stopped", f"rollout worker {self.rank} stopping after {self.driver.counter} prompts "
+                                     f"(paused {self.pause_total:.1f}s)", step=self.engine.version)
+        self.hb.stop("stopped")

@@ -3,7 +3,7 @@
 Micro-batch streaming: a step needs ``prompts_per_step`` groups; as soon as any are in the store the leader plans
 them (a plan per arrival, each a further entry of the consumer's plan chain), every rank reads its part and runs
 forward + backward on it at once. The optimizer step happens when the step's groups are all in
-(:meth:`TorchTrainer.finish_step` divides the accumulated gradient by the step's global normaliser).
+(:meth:`TrainerBackend.finish_step` divides the accumulated gradient by the step's global normaliser).
 
 Weights: new versions go to the fast path first; their snapshot files are written by a background thread, every
 published version while some worker is off the fast path, else at most every ``weights.files_every_s`` seconds.
@@ -19,13 +19,17 @@ import functools
 import gc
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.fsio import wait_for
 from relax_hpc.rundir import RunDir
+
+if TYPE_CHECKING:
+    from relax_hpc.weights.fastpath import WeightLinks
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,10 @@ class SeenBacklog:
         self.groups = 0
         self.samples = 0
 
-    def update(self, info: Any) -> None:
+    def update(self, info: Any) -> bool:
+        """Take a new listing; returns whether it holds any group."""
         self.groups, self.samples = info.groups, info.samples
+        return self.groups > 0
 
     def taken(self, stats: dict[str, Any]) -> None:
         gone = int(stats.get("samples", 0)) + int(stats.get("stale_dropped_samples", 0))
@@ -47,121 +53,228 @@ class SeenBacklog:
         self.groups = max(0, self.groups - int(stats.get("groups", 0)) - int(stats.get("stale_dropped_groups", 0)))
 
 
-def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_size: int = 1) -> int:
-    from relax_hpc.modes.trainer_role import SnapshotFiles, end_trainer_role, start_trainer_role
-    from relax_hpc.rollout.groups import samples_to_items
-    from relax_hpc.store import backlog
-    from relax_hpc.store.watch import samples_watch
-    from relax_hpc.trainer.prepare import prepare_items
+@dataclass
+class Gathered:
+    """What one step's micro-batch streaming took from the store, and how long each part of it took."""
 
-    r = start_trainer_role(run_dir, cfg, "trainer", rank=rank, world_size=world_size)
-    stop, hb, policy, algorithm = r.stop, r.hb, r.policy, r.algorithm
-    trainer, session, consumer, plan_seq = r.trainer, r.session, r.consumer, r.plan_seq
-    session.publish()  # the rollout workers start from this version (a no-op if it is already published)
-    fast = None
-    if cfg.weights.fast_path != "off" and rank == 0:
-        from relax_hpc.weights.fastpath import FastPathServer, link_device
+    rewards: list[float] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    stale_dropped: int = 0
+    prep_metrics: dict[str, list[float]] = field(default_factory=dict)
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+    """Metadata of the samples that carry a multi-turn episode's counts (``agent``: its first sample)."""
+    wait: float = 0.0
+    plan: float = 0.0
+    read: float = 0.0
+    prep: float = 0.0
+    groups: int = 0
+    """Groups planned for the step (fewer than ``prompts_per_step`` only when a stop signal cut the wait)."""
 
-        fast = FastPathServer(run_dir, cfg.rollout.num_workers,
-                              device=link_device(cfg.weights.fast_path, policy.device))
-        fast.update(trainer.step, trainer.full_state_dict())
-    files = SnapshotFiles(session)
-    seen = SeenBacklog()
-    watch = samples_watch(run_dir)
-    P = cfg.rollout.prompts_per_step
-    gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s, GIL held
-    hb.beat(state="running", step=trainer.step, version=session.version, force=True)
-    t_run = time.perf_counter()
-    wait_total = 0.0
-    while trainer.step < cfg.num_steps and not stop.is_set:
-        t_step = time.perf_counter()
-        trainer.begin_step()
+
+def server_fast_path(cfg: RecipeConfig) -> bool:
+    """Whether trainer rank 0 broadcasts weights to the rollout servers (``rollout.server.weight_sync:
+    distributed`` with the ``sglang`` engine; vLLM's weight-transfer engine needs its own NCCL communicator on the
+    trainer side, which is not wired: its servers load the snapshot files)."""
+    return cfg.rollout.engine == "sglang" and cfg.rollout.server.weight_sync == "distributed"
+
+
+class AsyncTrainer:
+    """The trainer loop of ``fully_async``, one method per part of a step (module docstring)."""
+
+    def __init__(self, run_dir: RunDir, cfg: RecipeConfig, *, rank: int, world_size: int):
+        from relax_hpc.modes.trainer_role import SnapshotFiles, start_trainer_role
+        from relax_hpc.store.watch import samples_watch
+
+        self.run_dir, self.cfg, self.rank, self.world_size = run_dir, cfg, rank, world_size
+        self.r = start_trainer_role(run_dir, cfg, "trainer", rank=rank, world_size=world_size)
+        self.trainer, self.session, self.consumer = self.r.trainer, self.r.session, self.r.consumer
+        self.plan_seq = self.r.plan_seq
+        self.session.publish()  # the rollout workers start from this version (a no-op if it is already published)
+        self.fast: WeightLinks | None = None
+        hf_fast = cfg.weights.fast_path != "off" and cfg.rollout.engine == "hf"
+        # every rank: with several trainer ranks gathering the whole model is a collective (FSDP2, megatron TP)
+        sd = self.trainer.full_state_dict() if server_fast_path(cfg) or hf_fast else {}
+        if rank == 0 and server_fast_path(cfg):
+            from relax_hpc.weights.server_links import ServerLinks
+
+            cuda = str(self.r.policy.device).startswith("cuda")
+            self.fast = ServerLinks(run_dir, cfg.rollout.num_workers, world_size=1 + cfg.rollout.server.tp_size,
+                                    backend="nccl" if cuda else "gloo", timeout_s=cfg.rollout.server.sync_timeout_s,
+                                    device=str(self.r.policy.device))
+            self.fast.update(self.trainer.step, sd)
+        elif hf_fast and rank == 0:
+            from relax_hpc.weights.fastpath import FastPathServer, link_device
+
+            self.fast = FastPathServer(run_dir, cfg.rollout.num_workers,
+                                       device=link_device(cfg.weights.fast_path, self.r.policy.device))
+            self.fast.update(self.trainer.step, sd)
+        self.files = SnapshotFiles(self.session)
+        self.files_version = self.trainer.step
+        """The newest version handed to the snapshot files."""
+        self.seen = SeenBacklog()
+        self.watch = samples_watch(run_dir)
+
+    def run(self) -> int:
+        from relax_hpc.modes.trainer_role import end_trainer_role
+
+        cfg, trainer, hb = self.cfg, self.trainer, self.r.hb
+        gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s
+        hb.beat(state="running", step=trainer.step, version=self.session.version, force=True)
+        t_run = time.perf_counter()
+        wait_total = 0.0
+        while trainer.step < cfg.num_steps and not self.r.stop.is_set:
+            t_step = time.perf_counter()
+            trainer.begin_step()
+            got = self.gather()
+            if got.groups == 0 and self.r.stop.is_set:  # stopped while waiting, nothing accumulated: no step
+                self.checkpoint()
+                break
+            metrics = trainer.finish_step()
+            self.session.version = trainer.step
+            t_sync = self.publish()
+            t_ckpt = self.checkpoint()
+            step_time = time.perf_counter() - t_step
+            wait_total += got.wait
+            metrics.update(self.step_metrics(metrics, got, step_time, t_sync, t_ckpt))
+            self.session.log_metrics(metrics, trainer.step)
+            hb.beat(step=trainer.step, version=self.session.version)
+            log.info("step %d/%d reward %.3f (%.2fs, waited %.2fs)", trainer.step, cfg.num_steps,
+                     metrics["rollout/reward"], step_time, got.wait)
+        self.files.close()
+        if self.fast is not None:
+            self.fast.close()
+        total = time.perf_counter() - t_run
+        return end_trainer_role(self.r, dict, {"train_seconds": total, "train_wait_seconds": wait_total})
+
+    def gather(self) -> Gathered:
+        """Plan, read, prepare and accumulate groups as they arrive until the step has ``prompts_per_step``."""
+        from relax_hpc.trainer.items import samples_to_items
+        from relax_hpc.trainer.prepare import prepare_items
+
+        cfg, consumer, got = self.cfg, self.consumer, Gathered()
+        P = cfg.rollout.prompts_per_step
+        min_version = max(0, self.session.version - cfg.max_staleness)
         have = 0
-        t_wait = 0.0
-        t_plan = t_read = t_prep = 0.0
-        stale_dropped = 0
-        staleness: list[int] = []
-        rewards_all: list[float] = []
-        prep_metrics: dict[str, list[float]] = {}
-        min_version = max(0, session.version - cfg.max_staleness)
         while have < P:
             t0 = time.perf_counter()
-            plan_seq += 1
-            if rank == 0:
-                # each ms of reaction is lost per step: poll every 0.5 ms (a few stats unless a shard came) for
-                # the first second of a wait, then back off to 20 ms
-                wait_for(lambda: (watch.changed() and seen.update(backlog(run_dir))) or seen.groups > 0
-                         or stop.is_set, what=f"samples for step {trainer.step + 1}",
-                         timeout_s=cfg.store.wait_timeout_s, poll_s=0.0005, max_poll_s=0.02, backoff_after_s=1.0,
-                         logger=log)
-                t1 = time.perf_counter()
-                plan = consumer.plan(plan_seq, num_groups=P - have, min_version=min_version,
-                                     stale_policy=cfg.store.stale_policy, wait=False)
-                t_plan += time.perf_counter() - t1
-                seen.taken(plan.stats)
-            else:
-                plan = consumer.wait_plan(plan_seq, timeout_s=cfg.store.wait_timeout_s)
-            t_wait += time.perf_counter() - t0
+            plan = self.next_plan(P - have, min_version, got)
+            got.wait += time.perf_counter() - t0
+            if self.r.stop.is_set and not plan.stats.get("groups"):
+                break  # SIGTERM/SIGUSR2 while waiting for samples (the workers may be gone): no more to wait for
             have += int(plan.stats.get("groups", 0))
-            stale_dropped += int(plan.stats.get("stale_dropped_samples", 0))
+            got.groups = have
+            got.stale_dropped += int(plan.stats.get("stale_dropped_samples", 0))
             t1 = time.perf_counter()
-            items = samples_to_items(consumer.read(plan))
-            t_read += time.perf_counter() - t1
+            samples = consumer.read(plan)
+            got.episodes += [s.metadata for s in samples if "agent" in s.metadata]
+            items = samples_to_items(samples)
+            got.read += time.perf_counter() - t1
             if not items:
                 continue
-            staleness += [session.version - it.version for it in items]
-            rewards_all += [it.reward for it in items]
+            got.staleness += [self.session.version - it.version for it in items]
+            got.rewards += [it.reward for it in items]
             t1 = time.perf_counter()
-            prep = prepare_items(items, cfg, algorithm)
-            t_prep += time.perf_counter() - t1
+            prep = prepare_items(items, cfg, self.r.algorithm)
+            got.prep += time.perf_counter() - t1
             for k, v in prep.metrics.items():
-                prep_metrics.setdefault(k, []).append(v)
-            trainer.accumulate(prep.items)
-        metrics = trainer.finish_step()
-        session.version = trainer.step
-        t_sync = 0.0
-        if trainer.step % cfg.weights.publish_every == 0 or trainer.step == cfg.num_steps:
-            t0 = time.perf_counter()
-            sd = trainer.full_state_dict()
-            if fast is None:
-                files.submit(trainer.step, sd)
-            else:  # first the fast path: the workers may take it as soon as this step frees room
-                packed = fast.update(trainer.step, sd)
-                last = trainer.step == cfg.num_steps
-                if last or not fast.all_linked() or time.monotonic() - files.last_submit >= cfg.weights.files_every_s:
-                    files.submit(trainer.step, packed.views(), private=True)
-            t_sync = time.perf_counter() - t0
-        t_ckpt = time.perf_counter()
-        if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
-            pos = consumer.position_after(plan_seq)
-            session.checkpoint({"store_position": pos}, on_saved=functools.partial(consumer.commit, pos),
-                               background=cfg.trainer.async_checkpoint and not stop.is_set)
+                got.prep_metrics.setdefault(k, []).append(v)
+            self.trainer.accumulate(prep.items)
+        return got
+
+    def next_plan(self, groups: int, min_version: int, got: Gathered) -> Any:
+        """The next plan of the chain: the leader waits for samples and plans what is there; others wait for it."""
+        from relax_hpc.store import backlog
+
+        cfg, consumer, seen = self.cfg, self.consumer, self.seen
+        self.plan_seq += 1
+        if not consumer.is_leader:
+            return consumer.wait_plan(self.plan_seq, timeout_s=cfg.store.wait_timeout_s)
+        # each ms of reaction is lost per step: poll every 0.5 ms (a few stats unless a shard came) for the first
+        # second of a wait, then back off to 20 ms
+        wait_for(lambda: (self.watch.changed() and seen.update(backlog(self.run_dir))) or seen.groups > 0
+                 or self.r.stop.is_set or self.files_for_late_joiners(),
+                 what=f"samples for step {self.trainer.step + 1}",
+                 timeout_s=cfg.store.wait_timeout_s, poll_s=0.0005, max_poll_s=0.02, backoff_after_s=1.0,
+                 logger=log)
+        t1 = time.perf_counter()
+        plan = consumer.plan(self.plan_seq, num_groups=groups, min_version=min_version,
+                             stale_policy=cfg.store.stale_policy, wait=False)
+        got.plan += time.perf_counter() - t1
+        seen.taken(plan.stats)
+        return plan
+
+    def files_for_late_joiners(self) -> bool:
+        """While waiting for samples: when some worker is off the fast path (restarted, link down), write the
+        files of the newest version if they were skipped (``files_every_s``): a worker that only reads files would
+        otherwise generate with weights too old to train on while the trainer waits for it. Returns False (the
+        wait goes on)."""
+        fast = self.fast
+        if fast is None or fast.all_linked():
+            return False
+        latest = fast.latest()
+        if latest is not None and latest[0] > self.files_version:
+            log.info("a rollout worker is off the fast path: writing the files of version %d", latest[0])
+            self.files.submit(latest[0], latest[1].views(), private=True)
+            self.files_version = latest[0]
+        return False
+
+    def publish(self) -> float:
+        """Hand the new weights to the fast path first (the workers may take them as soon as this step frees room),
+        then to the snapshot files (module docstring). Returns the seconds spent."""
+        cfg, trainer, fast, files = self.cfg, self.trainer, self.fast, self.files
+        if trainer.step % cfg.weights.publish_every and trainer.step != cfg.num_steps:
+            return 0.0
+        t0 = time.perf_counter()
+        sd = trainer.full_state_dict(copy=fast is None)
+        if fast is None:
+            files.submit(trainer.step, sd, private=True)
+            self.files_version = trainer.step
         else:
-            session.poll()
-        t_ckpt = time.perf_counter() - t_ckpt
-        step_time = time.perf_counter() - t_step
-        wait_total += t_wait
-        st = np.asarray(staleness or [0])
-        metrics.update({k: float(np.mean(v)) for k, v in prep_metrics.items()})
-        metrics.update({
-            "rollout/reward": float(np.mean(rewards_all)) if rewards_all else float("nan"),
-            "perf/step_time": step_time, "perf/train_wait_time": t_wait,
-            "perf/train_idle_fraction": t_wait / step_time if step_time > 0 else 0.0,
-            "perf/update_weights_time": t_sync, "perf/samples_per_s": len(rewards_all) * world_size / step_time,
-            "perf/store_plan_time": t_plan, "perf/store_read_time": t_read, "perf/prepare_time": t_prep,
+            packed = fast.update(trainer.step, sd)
+            last = trainer.step == cfg.num_steps
+            if last or not fast.all_linked() or time.monotonic() - files.last_submit >= cfg.weights.files_every_s:
+                files.submit(trainer.step, packed.views(), private=True)
+                self.files_version = trainer.step
+        return time.perf_counter() - t0
+
+    def checkpoint(self) -> float:
+        """Checkpoint when due (the store position commits once it is durable); returns the seconds spent."""
+        cfg, trainer, stop = self.cfg, self.trainer, self.r.stop
+        t0 = time.perf_counter()
+        if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
+            pos = self.consumer.position_after(self.plan_seq)
+            self.session.checkpoint({"store_position": pos}, on_saved=functools.partial(self.consumer.commit, pos),
+                                    background=cfg.trainer.async_checkpoint and not stop.is_set)
+        else:
+            self.session.poll()
+        return time.perf_counter() - t0
+
+    def step_metrics(self, metrics: dict[str, float], got: Gathered, step_time: float, t_sync: float,
+                     t_ckpt: float) -> dict[str, float]:
+        """The step's rollout, staleness and timing figures beside the trainer's own."""
+        st = np.asarray(got.staleness or [0])
+        ws = self.world_size
+        out = {k: float(np.mean(v)) for k, v in got.prep_metrics.items()}
+        out.update({
+            "rollout/reward": float(np.mean(got.rewards)) if got.rewards else float("nan"),
+            "perf/step_time": step_time, "perf/train_wait_time": got.wait,
+            "perf/train_idle_fraction": got.wait / step_time if step_time > 0 else 0.0,
+            "perf/update_weights_time": t_sync, "perf/samples_per_s": len(got.rewards) * ws / step_time,
+            "perf/store_plan_time": got.plan, "perf/store_read_time": got.read, "perf/prepare_time": got.prep,
             "perf/checkpoint_time": t_ckpt,
-            "perf/tokens_per_s": metrics.get("train/tokens", 0.0) * world_size / step_time,
-            "weights/version": float(session.version), "rollout/staleness_mean": float(st.mean()),
-            "rollout/staleness_max": float(st.max()), "rollout/stale_dropped": float(stale_dropped),
-            "store/backlog_samples": float(seen.samples),
-            **{f"rollout/staleness_hist_{k}": float((st == k).sum()) for k in range(cfg.max_staleness + 2)},
+            "perf/tokens_per_s": metrics.get("train/tokens", 0.0) * ws / step_time,
+            "weights/version": float(self.session.version), "rollout/staleness_mean": float(st.mean()),
+            "rollout/staleness_max": float(st.max()), "rollout/stale_dropped": float(got.stale_dropped),
+            "store/backlog_samples": float(self.seen.samples),
+            **{f"rollout/staleness_hist_{k}": float((st == k).sum()) for k in range(self.cfg.max_staleness + 2)},
         })
-        session.log_metrics(metrics, trainer.step)
-        hb.beat(step=trainer.step, version=session.version)
-        log.info("step %d/%d reward %.3f (%.2fs, waited %.2fs)", trainer.step, cfg.num_steps,
-                 metrics["rollout/reward"], step_time, t_wait)
-    files.close()
-    if fast is not None:
-        fast.close()
-    total = time.perf_counter() - t_run
-    return end_trainer_role(r, dict, {"train_seconds": total, "train_wait_seconds": wait_total})
+        if got.episodes:  # multi-turn: the agent/* metrics of the episodes trained on (the monitor shows them)
+            from relax_hpc.envs.metrics import episode_metrics, stats_of_samples
+
+            out.update(episode_metrics(stats_of_samples(got.episodes)))
+        return out
+
+
+def run_async_trainer(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_size: int = 1) -> int:
+    """Run the fully_async trainer role in this process. Returns an exit code (0 done, 3 checkpointed on a signal)."""
+    return AsyncTrainer(run_dir, cfg, rank=rank, world_size=world_size).run()

@@ -1,10 +1,11 @@
 """Mode ``colocate``: one group of processes generates, then trains, strictly on-policy.
 
-Each step: the next ``prompts_per_step`` prompts (each rank takes its slice) -> ``n_samples`` completions each from
-the in-memory policy -> rewards -> groups written to the sample store (so the monitor and resume work as in
-fully_async) -> the leader plans the step's batch from the store -> every rank trains on its part -> the generation
-weights are the trained weights (same module, updated in memory). Snapshots are published every
-``weights.publish_every`` steps, checkpoints every ``trainer.checkpoint_every`` steps and on SIGUSR2/SIGTERM.
+Each step: the next ``prompts_per_step`` prompts (each rank takes its slice) -> the rollout driver
+(:mod:`relax_hpc.rollout.driver`: ``n_samples`` completions each from the engine, which generates with the trainer's
+own module -> rewards -> groups written to the sample store, so the monitor and resume work as in fully_async) ->
+the leader plans the step's batch from the store -> every rank trains on its part -> the engine is told the new
+version (:class:`~relax_hpc.rollout.engine.SharedModule`: same module, updated in memory). Snapshots are published
+every ``weights.publish_every`` steps, checkpoints every ``trainer.checkpoint_every`` steps and on SIGUSR2/SIGTERM.
 """
 
 from __future__ import annotations
@@ -12,113 +13,165 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import time
 import uuid
+from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.rundir import RunDir
+from relax_hpc.timing import PhaseTimer
+from relax_hpc.weights.handover import hand_over
 
 log = logging.getLogger(__name__)
+
+PHASE_METRICS = {  # phase of the step timer -> metric
+    "preprocess": "perf/preprocess_wait_time",
+    "generate": "perf/rollout_time", "reward": "perf/reward_time", "store_write": "perf/store_write_time",
+    "read": "perf/store_read_time", "prepare": "perf/prepare_time", "sync": "perf/update_weights_time",
+    "checkpoint": "perf/checkpoint_time",
+}
 
 
 def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_size: int = 1) -> int:
     """Run the whole colocate loop in this process. Returns an exit code (0 done, 3 checkpointed on a signal)."""
-    from relax_hpc.modes import components as C
-    from relax_hpc.modes.trainer_role import SnapshotFiles, end_trainer_role, start_trainer_role
-    from relax_hpc.rollout.groups import build_groups, samples_to_items, score_completions
-    from relax_hpc.store import ShardWriter
-    from relax_hpc.trainer.prepare import prepare_items
+    loop = Colocate(run_dir, cfg, rank=rank, world_size=world_size)
+    try:
+        while loop.trainer.step < cfg.num_steps and not loop.role.stop.is_set:
+            loop.step()
+    finally:
+        loop.close()
+    return loop.finish()
 
-    r = start_trainer_role(run_dir, cfg, "colocate", rank=rank, world_size=world_size)
-    stop, hb, policy, algorithm = r.stop, r.hb, r.policy, r.algorithm
-    trainer, session, consumer, plan_seq = r.trainer, r.session, r.consumer, r.plan_seq
-    engine = C.build_engine(cfg, policy, seed=cfg.seed + rank)
-    stream = C.build_prompt_stream(cfg, policy.tokenizer)
-    if r.state is not None:
-        stream.load_state(r.state["data"])
-    rewards = C.build_reward_runner(cfg)
-    writer_id = f"colocate-{rank}.{uuid.uuid4().hex[:8]}"
-    writer = ShardWriter(run_dir, writer_id)
-    engine.version = trainer.step
-    if trainer.step == 0:
-        session.publish()
-    files = SnapshotFiles(session)  # generation uses the weights in memory: the files are for the monitor/recovery
 
-    n = cfg.rollout.n_samples
-    group_counter = 0
-    gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s, GIL held
-    hb.beat(state="running", step=trainer.step, version=session.version, force=True)
-    while trainer.step < cfg.num_steps and not stop.is_set:
-        t_step = time.perf_counter()
-        batch = stream.next_batch(cfg.rollout.prompts_per_step)
-        mine = batch[rank::world_size]
-        t0 = time.perf_counter()
-        completions = engine.generate([p.prompt_ids for p in mine], n,
-                                      multimodal=[p.multimodal for p in mine])
-        t_gen = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _, scored = score_completions(rewards, policy.tokenizer, mine, completions)
-        t_reward = time.perf_counter() - t0
-        groups, counts = build_groups(mine, completions, scored, writer_id=writer_id, counter=group_counter,
-                                      version=session.version)
-        group_counter += len(mine)
-        t0 = time.perf_counter()
-        if groups:
-            writer.write(groups)
-        t_write = time.perf_counter() - t0
-        _barrier(world_size)
-        t0 = time.perf_counter()
-        plan_seq += 1
-        if rank == 0:  # everything published now, of the current version (older leftovers are dropped, counted)
-            plan = consumer.plan_available(plan_seq, 10**9, min_version=session.version)
-        else:
-            plan = consumer.wait_plan(plan_seq, timeout_s=cfg.store.wait_timeout_s)
-        items = samples_to_items(consumer.read(plan))
-        counts["rollout/stale_dropped"] = float(plan.stats.get("stale_dropped_samples", 0))
-        t_read = time.perf_counter() - t0
-        orphans = [it for it in items if it.version > session.version]  # generated by a branch lost in a crash
-        if orphans:
-            items = [it for it in items if it.version <= session.version]
-            counts["rollout/orphaned_samples_dropped"] = float(len(orphans))
-        t0 = time.perf_counter()
-        prep = prepare_items(items, cfg, algorithm)
-        t_prep = time.perf_counter() - t0
-        metrics = trainer.train_step(prep.items)
-        session.version = trainer.step
-        engine.version = trainer.step
-        t_sync = 0.0
-        if trainer.step % cfg.weights.publish_every == 0 or trainer.step == cfg.num_steps:
-            t0 = time.perf_counter()
-            files.submit(trainer.step, trainer.full_state_dict())
-            t_sync = time.perf_counter() - t0
-        t_ckpt = time.perf_counter()
-        if trainer.step % cfg.trainer.checkpoint_every == 0 or trainer.step == cfg.num_steps or stop.is_set:
-            pos = consumer.position_after(plan_seq)
-            session.checkpoint({"data": stream.state(), "store_position": pos},
-                               on_saved=functools.partial(consumer.commit, pos),
-                               background=cfg.trainer.async_checkpoint and not stop.is_set)
-        else:
-            session.poll()
-        t_ckpt = time.perf_counter() - t_ckpt
-        step_time = time.perf_counter() - t_step
-        nsamp = max(1, len(items))
+class Colocate:
+    """The state of one colocate rank between steps."""
+
+    def __init__(self, run_dir: RunDir, cfg: RecipeConfig, *, rank: int, world_size: int):
+        from relax_hpc.modes import components as C
+        from relax_hpc.modes.trainer_role import SnapshotFiles, start_trainer_role
+        from relax_hpc.rollout.driver import RolloutDriver
+        from relax_hpc.rollout.hf_engine import sampling_params
+        from relax_hpc.store import ShardWriter
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.role = r = start_trainer_role(run_dir, cfg, "colocate", rank=rank, world_size=world_size)
+        self.trainer, self.session, self.consumer, self.plan_seq = r.trainer, r.session, r.consumer, r.plan_seq
+        tok = r.policy.tokenizer
+        shared = self.trainer.generation_model()
+        self.trainer.state_on_every_rank = shared is None  # each rank's own engine model receives the whole state
+        self.engine = C.build_engine(cfg, tok, seed=cfg.seed + rank, model=shared,
+                                     device=r.policy.device if shared is not None else None)
+        if getattr(self.engine, "threaded", False) and getattr(self.engine, "run_on_thread", None) is not None:
+            import torch
+
+            torch.set_num_threads(1)  # this thread's torch ops are small; the engine's thread runs the heavy ones
+        self.stream = C.build_rollout_stream(cfg, tok)
+        if r.state is not None:
+            self.stream.load_state(r.state["data"])
+        writer_id = f"colocate-{rank}.{uuid.uuid4().hex[:8]}"
+        self.driver = RolloutDriver(self.engine, tok, C.build_reward_runner(cfg, engine=self.engine, tokenizer=tok,
+                                                                      name=writer_id),
+                                    sampling=sampling_params(cfg.rollout.sampling, cfg.rollout.n_samples),
+                                    writer_id=writer_id, writer=ShardWriter(run_dir, writer_id),
+                                    episode=C.build_episode(cfg, tok))
+        self._hand_over(self.trainer.step)
+        if self.trainer.step == 0:
+            self.session.publish()
+        self.files = SnapshotFiles(self.session)  # generation uses the weights in memory: files for monitor/recovery
+        gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s
+        r.hb.beat(state="running", step=self.trainer.step, version=self.session.version, force=True)
+
+    def _on_engine_thread(self, fn: Any) -> Any:
+        """``fn()`` on the in-process engine's thread where it has one (see ``HFEngine.run_on_thread``), else here."""
+        run = getattr(self.engine, "run_on_thread", None)
+        return self.driver.call(run(fn)) if run is not None and getattr(self.engine, "threaded", False) else fn()
+
+    def _hand_over(self, version: int) -> None:
+        """The engine generates with ``version`` next: the same module (shared) or a copy of the trainer's state."""
+        from relax_hpc.rollout.engine import SharedModule
+        from relax_hpc.rollout.weight_sync import StateDictStream
+
+        source: Any = SharedModule() if getattr(self.engine, "shared", False) else StateDictStream(
+            self.trainer.full_state_dict())
+        self.driver.call(self.engine.receive(version, source))
+
+    def step(self) -> None:
+        """One step: generate and write this rank's groups, plan and read the step's batch, train, hand over."""
+        from relax_hpc.trainer.prepare import prepare_items
+
+        cfg, timer = self.cfg, PhaseTimer()
+        with timer.phase("preprocess"):  # inline: the media are made now; with the pool: the wait for them
+            batch = self.stream.next_batch(cfg.rollout.prompts_per_step)
+        res = self.driver.run_batch(batch[self.rank::self.world_size], timer)
+        _barrier(self.world_size)
+        with timer.phase("read"):
+            items, counts = self._read_batch()
+        with timer.phase("prepare"):
+            prep = prepare_items(items, cfg, self.role.algorithm)
+        metrics = self._on_engine_thread(functools.partial(self.trainer.train_step, prep.items))
+        self.session.version = self.trainer.step
+        self._hand_over(self.trainer.step)
+        if self.trainer.step % cfg.weights.publish_every == 0 or self.trainer.step == cfg.num_steps:
+            with timer.phase("sync"):  # one GPU: pinned copies on a side stream, written in the background
+                hand_over(self.files, self.trainer, self.trainer.step, final=self.trainer.step == cfg.num_steps)
+        with timer.phase("checkpoint"):
+            self._checkpoint_or_poll()
         metrics.update(prep.metrics)
-        metrics.update(counts)
+        metrics.update({**res.counts, **counts, **self.stream.stats()})
+        self._log(metrics, timer, res, len(items))
+
+    def _read_batch(self) -> tuple[list[Any], dict[str, float]]:
+        """The step's batch from the store: everything published now, of the current version (older leftovers are
+        dropped, counted); samples of a newer version come from a branch lost in a crash (dropped, counted)."""
+        from relax_hpc.trainer.items import samples_to_items
+
+        self.plan_seq += 1
+        if self.rank == 0:
+            plan = self.consumer.plan_available(self.plan_seq, 10**9, min_version=self.session.version)
+        else:
+            plan = self.consumer.wait_plan(self.plan_seq, timeout_s=self.cfg.store.wait_timeout_s)
+        items = samples_to_items(self.consumer.read(plan))
+        counts = {"rollout/stale_dropped": float(plan.stats.get("stale_dropped_samples", 0))}
+        orphans = [it for it in items if it.version > self.session.version]
+        if orphans:
+            items = [it for it in items if it.version <= self.session.version]
+            counts["rollout/orphaned_samples_dropped"] = float(len(orphans))
+        return items, counts
+
+    def _checkpoint_or_poll(self) -> None:
+        cfg, step, stop = self.cfg, self.trainer.step, self.role.stop
+        if step % cfg.trainer.checkpoint_every == 0 or step == cfg.num_steps or stop.is_set:
+            pos = self.consumer.position_after(self.plan_seq)
+            self.session.checkpoint({"data": self.stream.state(), "store_position": pos},
+                                    on_saved=functools.partial(self.consumer.commit, pos),
+                                    background=cfg.trainer.async_checkpoint and not stop.is_set)
+        else:
+            self.session.poll()
+
+    def _log(self, metrics: dict[str, float], timer: PhaseTimer, res: Any, num_items: int) -> None:
+        step_time = timer.elapsed()
+        ws = self.world_size
+        metrics.update(timer.metrics(PHASE_METRICS))
         metrics.update({
-            "perf/step_time": step_time, "perf/rollout_time": t_gen, "perf/reward_time": t_reward,
-            "perf/update_weights_time": t_sync, "perf/samples_per_s": nsamp * world_size / step_time,
-            "perf/store_write_time": t_write, "perf/store_read_time": t_read, "perf/prepare_time": t_prep,
-            "perf/checkpoint_time": t_ckpt,
-            "perf/tokens_per_s": metrics.get("train/tokens", 0.0) * world_size / step_time,
-            "weights/version": float(session.version), "rollout/staleness_mean": 0.0,
-            "reward/errors": float(getattr(scored, "num_errors", 0)),
+            "perf/step_time": step_time, "perf/samples_per_s": max(1, num_items) * ws / step_time,
+            "perf/tokens_per_s": metrics.get("train/tokens", 0.0) * ws / step_time,
+            "weights/version": float(self.session.version), "rollout/staleness_mean": 0.0,
+            "reward/errors": float(res.reward_errors),
         })
-        session.log_metrics(metrics, trainer.step)
-        hb.beat(step=trainer.step, version=session.version)
-        log.info("step %d/%d reward %.3f loss %.4f (%.2fs)", trainer.step, cfg.num_steps,
+        self.session.log_metrics(metrics, self.trainer.step)
+        self.role.hb.beat(step=self.trainer.step, version=self.session.version)
+        log.info("step %d/%d reward %.3f loss %.4f (%.2fs)", self.trainer.step, self.cfg.num_steps,
                  metrics.get("rollout/reward", float("nan")), metrics.get("train/loss", float("nan")), step_time)
-    files.close()
-    return end_trainer_role(r, lambda: {"data": stream.state()})
+
+    def close(self) -> None:
+        """Stop the engine's thread (the trainer's module stays the trainer's) and the prompt stream's workers."""
+        self.driver.close()
+        self.stream.close()
+
+    def finish(self) -> int:
+        from relax_hpc.modes.trainer_role import end_trainer_role
+
+        self.files.close()
+        return end_trainer_role(self.role, lambda: {"data": self.stream.state()})
 
 
 def _barrier(world_size: int) -> None:

@@ -67,12 +67,20 @@ def build_aux_models(cfg: RecipeConfig, policy: Policy) -> tuple[Any, Any]:
     return ref, teacher
 
 
-def build_engine(cfg: RecipeConfig, policy: Policy, *, seed: int = 0) -> Any:
+def build_engine(cfg: RecipeConfig, tokenizer: Any, *, seed: int, model: Any = None, device: str | None = None,
+                 **server: Any) -> Any:
+    """The recipe's rollout engine: on ``model`` (colocate: the trainer's module, shared) or, with None, on weights
+    of its own loaded from ``cfg.model`` (a fully_async worker holds no model). ``server``: ``run_dir``, ``proc``,
+    ``events`` for the server engines."""
     from relax_hpc.rollout.engine import make_engine
 
-    return make_engine(cfg.rollout.engine, model=policy.model, tokenizer=policy.tokenizer,
-                       sampling=cfg.rollout.sampling, device=policy.device, batch_prompts=cfg.rollout.batch_prompts,
-                       seed=seed, decoder=cfg.rollout.hf_decoder)
+    return make_engine(cfg, device=device, seed=seed, tokenizer=tokenizer, model=model, **server)
+
+
+def worker_seeds(cfg: RecipeConfig, rank: int, incarnation: int) -> tuple[int, int]:
+    """(sampling seed, prompt-stream seed offset) of rollout worker ``rank`` in its ``incarnation``-th start: fixed
+    by the recipe seed, so a run is reproducible; distinct per worker and per restart, so no two streams repeat."""
+    return cfg.seed + 7919 * (rank + 1) + 104_729 * incarnation, 1000 * (rank + 1) + 100_003 * incarnation
 
 
 def build_algorithm(cfg: RecipeConfig) -> Any:
@@ -89,7 +97,37 @@ def build_prompt_stream(cfg: RecipeConfig, tokenizer: Any, *, seed_offset: int =
     return make_stream(PromptDataset(cfg.data, tokenizer, seed=cfg.seed + seed_offset, multimodal=mm))
 
 
-def build_reward_runner(cfg: RecipeConfig) -> Any:
-    from relax_hpc.rewards import RewardRunner
+def build_rollout_stream(cfg: RecipeConfig, tokenizer: Any, *, seed_offset: int = 0) -> Any:
+    """The prompt stream a rollout takes its batches from, dispatched once on ``data.media.pool_size``: 0 makes the
+    media tensors inline when a batch is taken (a :class:`~relax_hpc.data.stream.PromptStream`); more starts that
+    many preprocessing workers (:class:`~relax_hpc.data.pool.ProcessorPool`) behind a
+    :class:`~relax_hpc.data.pool.PrefetchingStream` that keeps ``prefetch_batches`` batches prepared ahead. Both
+    have ``next_batch``, ``state``/``load_state`` (the same positions), ``stats`` and ``close``."""
+    stream = build_prompt_stream(cfg, tokenizer, seed_offset=seed_offset)
+    media = cfg.data.media
+    if media.pool_size == 0 or stream.dataset.multimodal is None:
+        return stream
+    from relax_hpc.data.pool import PrefetchingStream, ProcessorPool
 
-    return RewardRunner(cfg.reward)
+    pool = ProcessorPool(stream.dataset.multimodal, media.pool_size, item_timeout_s=media.item_timeout_s)
+    log.info("data: %d media preprocessing workers, %d batches prefetched", media.pool_size, media.prefetch_batches)
+    return PrefetchingStream(stream, pool, prefetch_batches=media.prefetch_batches, owns_pool=True,
+                             wait_timeout_s=2 * media.item_timeout_s + 300.0)
+
+
+def build_episode(cfg: RecipeConfig, tokenizer: Any) -> Any:
+    """The driver's episode: multi-turn environment episodes for ``rollout.env``, else None (single turn)."""
+    if cfg.rollout.env is None:
+        return None
+    from relax_hpc.envs.driver_episode import EnvEpisode
+
+    return EnvEpisode(cfg, tokenizer)
+
+
+def build_reward_runner(cfg: RecipeConfig, *, engine: Any = None, tokenizer: Any = None, name: str = "reward") -> Any:
+    """The reward runner; ``engine`` and ``tokenizer`` (the rollout's) go to a reward that takes a ``context`` (a
+    GenRM judge on the policy's own engine: ``reward.kwargs.model: rollout``)."""
+    from relax_hpc.rewards import RewardRunner
+    from relax_hpc.rewards.api import RewardContext
+
+    return RewardRunner(cfg.reward, RewardContext(engine=engine, tokenizer=tokenizer, name=name))

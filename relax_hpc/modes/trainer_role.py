@@ -4,20 +4,21 @@ exit for requeue, or export, mark the run completed and exit)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.events import EventLog, Heartbeat
 from relax_hpc.fsio import atomic_write_json
-from relax_hpc.launch.exitcodes import EXIT_OK, EXIT_REQUEUE
-from relax_hpc.launch.signals import StopFlag
+from relax_hpc.lifecycle import EXIT_OK, EXIT_REQUEUE, StopFlag
 from relax_hpc.rundir import RunDir
+
+if TYPE_CHECKING:
+    from relax_hpc.trainer.backend import TrainerBackend
 
 
 @dataclass
@@ -34,8 +35,8 @@ class TrainerRole:
     policy: Any
     """The policy model, tokenizer, device and dtype (:func:`relax_hpc.modes.components.build_policy`)."""
     algorithm: Any
-    trainer: Any
-    """The :class:`~relax_hpc.trainer.torch_trainer.TorchTrainer`."""
+    trainer: TrainerBackend
+    """The trainer backend (:func:`relax_hpc.trainer.backend.make_backend`)."""
     session: Any
     """The :class:`~relax_hpc.trainer.session.TrainerSession` (checkpoints, snapshots, metrics)."""
     consumer: Any
@@ -50,10 +51,9 @@ def start_trainer_role(run_dir: RunDir, cfg: RecipeConfig, role: str, *, rank: i
     """Set up a trainer rank: logs and heartbeat, model and optimizer, resume from the latest checkpoint (the store
     position too) or, on a fresh start, the supervised warm-up."""
     from relax_hpc.modes import components as C
-    from relax_hpc.store import ConsumerGroup
+    from relax_hpc.monitor.sinks import make_sinks
+    from relax_hpc.trainer.backend import make_backend
     from relax_hpc.trainer.session import TrainerSession
-    from relax_hpc.trainer.sft import run_warmup
-    from relax_hpc.trainer.torch_trainer import TorchTrainer
 
     stop = StopFlag()
     events = EventLog(run_dir, role, rank)
@@ -65,19 +65,21 @@ def start_trainer_role(run_dir: RunDir, cfg: RecipeConfig, role: str, *, rank: i
     policy = C.build_policy(cfg, device_pref=cfg.trainer.device)
     algorithm = C.build_algorithm(cfg)
     ref, teacher = C.build_aux_models(cfg, policy)
-    trainer = TorchTrainer(cfg, policy.model, device=policy.device, dtype=policy.dtype, algorithm=algorithm,
-                           ref_model=ref, teacher=teacher, world_size=world_size, rank=rank)
-    session = TrainerSession(run_dir, cfg, trainer, policy.tokenizer, events, rank=rank)
-    consumer = ConsumerGroup(run_dir, "trainer", rank=rank, world_size=world_size, retention=cfg.store.retention)
+    trainer = make_backend(cfg, rank=rank, world_size=world_size, device=policy.device, dtype=policy.dtype,
+                           algorithm=algorithm, tokenizer=policy.tokenizer, model=policy.model, ref_model=ref,
+                           teacher=teacher)
+    sinks = make_sinks(run_dir, cfg.monitor, events.proc, cfg.model_dump(mode="json")) if rank == 0 else None
+    session = TrainerSession(run_dir, cfg, trainer, policy.tokenizer, events, rank=rank, sinks=sinks)
+    consumer = make_consumer(run_dir, cfg, trainer)
     state = session.resume()
     plan_seq = -1
     if state is not None:
         consumer.resume(state["store_position"])
         plan_seq = int(state["store_position"].get("step", -1))
     elif cfg.warmup.steps:
-        m = run_warmup(policy.model, policy.tokenizer, warmup_stream(cfg, policy.tokenizer),
-                       steps=cfg.warmup.steps, lr=cfg.warmup.lr, batch_size=cfg.warmup.batch_size,
-                       max_tokens=cfg.trainer.micro_batch_tokens, device=policy.device)
+        m = trainer.sft_warmup(warmup_stream(cfg, policy.tokenizer), policy.tokenizer, steps=cfg.warmup.steps,
+                               lr=cfg.warmup.lr, batch_size=cfg.warmup.batch_size,
+                               max_tokens=cfg.trainer.micro_batch_tokens)
         if rank == 0:
             events.metrics(m, step=0)
             events.event("warmup_done", f"{cfg.warmup.steps} supervised warm-up steps", step=0)
@@ -86,14 +88,31 @@ def start_trainer_role(run_dir: RunDir, cfg: RecipeConfig, role: str, *, rank: i
                        consumer, state, plan_seq)
 
 
+def make_consumer(run_dir: RunDir, cfg: RecipeConfig, trainer: TrainerBackend) -> Any:
+    """This rank's reader of the sample store, laid out by the backend's data-parallel rank and size (ranks of one
+    model replica read the same groups); trainer rank 0 leads (plans and commits)."""
+    from relax_hpc.store import ConsumerGroup
+
+    return ConsumerGroup(run_dir, "trainer", rank=trainer.dp_rank, world_size=trainer.dp_size,
+                         leader=trainer.rank == 0, retention=cfg.store.retention, keep_plans=cfg.store.keep_plans)
+
+
 def warmup_stream(cfg: RecipeConfig, tokenizer: Any) -> Any:
-    """The prompts of the supervised warm-up: the warm-up task's, else the recipe's data (another seed)."""
+    """The prompts of the supervised warm-up: the warm-up task's, else the recipe's data (another seed); with
+    ``warmup.source: env``, the episode environment's examples on those prompts."""
     from relax_hpc.modes import components as C
 
     if cfg.warmup.task is None:
-        return C.build_prompt_stream(cfg, tokenizer, seed_offset=10_000)
-    data = cfg.data.model_copy(update={"task": cfg.warmup.task, "path": None})
-    return C.build_prompt_stream(cfg.model_copy(update={"data": data}), tokenizer, seed_offset=10_000)
+        stream = C.build_prompt_stream(cfg, tokenizer, seed_offset=10_000)
+    else:
+        data = cfg.data.model_copy(update={"task": cfg.warmup.task, "path": None})
+        stream = C.build_prompt_stream(cfg.model_copy(update={"data": data}), tokenizer, seed_offset=10_000)
+    if cfg.warmup.source == "data":
+        return stream
+    from relax_hpc.envs.warmup import EnvWarmupStream
+
+    assert cfg.rollout.env is not None, "checked at validation"
+    return EnvWarmupStream(cfg.rollout.env, tokenizer, stream, seed=cfg.seed + 10_000)
 
 
 def end_trainer_role(r: TrainerRole, extra_state: Callable[[], dict[str, Any]],
@@ -137,29 +156,22 @@ class SnapshotFiles:
         """When the last version was handed to :meth:`submit` (``time.monotonic()``; creation counts as one)."""
 
     def submit(self, version: int, state_dict: dict[str, Any], *, private: bool = False) -> None:
-        """Publish ``state_dict`` as ``version`` in the background; tensors that are live parameters are copied
-        first, unless ``private`` says that none are (a copy nobody changes, e.g. the fast path's packed one)."""
+        """Publish ``state_dict`` as ``version`` in the background. ``private``: nothing changes its tensors later
+        (``full_state_dict(copy=True)``, the fast path's packed copy); otherwise the backend copies those that are
+        live weights first."""
         if self.pool is None:
             return
         self.drain()
         self.last_submit = time.monotonic()
-        if private:
-            self.pending = self.pool.submit(self._publish, version, state_dict)
-            return
-        live = set()  # tensors that are the live parameters (unsharded): copied, the optimizer changes them
-        for p in self.session.trainer.model.parameters():
-            with contextlib.suppress(RuntimeError):  # sharded parameters have no plain storage
-                live.add(p.untyped_storage().data_ptr())
-        sd = {k: v.detach().clone() if v.untyped_storage().data_ptr() in live else v for k, v in state_dict.items()}
+        sd = state_dict if private else self.session.trainer.detached(state_dict)
         self.pending = self.pool.submit(self._publish, version, sd)
 
     def _publish(self, version: int, state_dict: dict[str, Any]) -> None:
-        from relax_hpc.weights import latest_version
-
-        latest = latest_version(self.session.run_dir)
-        if latest is None or version > latest:
+        trainer = self.session.trainer
+        if self.session.publisher.is_new(version):  # never trips over a version already on disk
             self.session.publisher.publish(state_dict, version=version, step=version,
-                                           model_config=getattr(self.session.trainer.model, "config", None))
+                                           model_config=trainer.hf_config(),
+                                           generation_config=trainer.generation_config())
 
     def drain(self) -> None:
         pending, self.pending = self.pending, None

@@ -84,8 +84,9 @@ def watch(monitor: Monitor, *, interval_s: float, duration_s: float | None = Non
         try:
             while True:
                 next_at = start + refreshes * interval_s
-                if duration_s is not None and next_at - start > duration_s:
-                    break
+                if duration_s is not None and (next_at - start > duration_s
+                                               or time.monotonic() - start >= duration_s):
+                    break  # wall-clock: a slow refresh does not stretch the duration
                 time.sleep(max(0.0, next_at - time.monotonic()))
                 snap = monitor.refresh()
                 refreshes += 1

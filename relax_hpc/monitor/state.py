@@ -20,9 +20,10 @@ from relax_hpc.config.schema import MonitorConfig
 from relax_hpc.fsio import read_json
 from relax_hpc.monitor.slurm import SlurmPoller
 from relax_hpc.monitor.tail import METRICS_MARK, DirTail
-from relax_hpc.rundir import RunDir
+from relax_hpc.roles.spec import trainer_side_names
+from relax_hpc.rundir import RunDir, proc_name
 
-TRAINER_PROCS = ("trainer-0", "colocate-0")
+TRAINER_PROCS = tuple(proc_name(name, 0) for name in trainer_side_names())
 """Procs whose metrics are the run's headline numbers, in order of preference."""
 LIVE_STATES = frozenset({"starting", "running", "paused", "draining"})
 """Heartbeat states of a process that is (supposed to be) alive."""
@@ -38,8 +39,14 @@ METRICS: dict[str, str] = {
     "staleness": "rollout/staleness_mean",
     "backlog": "store/backlog_samples",
     "step_time": "perf/step_time",
+    "turns": "agent/turns_per_episode",
+    "tool_calls": "agent/tool_calls_per_turn",
+    "tool_errors": "agent/tool_errors",
+    "tool_latency": "agent/tool_latency_s",
+    "truncations": "agent/truncated_episodes",
+    "episode_reward": "agent/episode_reward",
 }
-"""Snapshot key -> trainer metric name."""
+"""Snapshot key -> trainer metric name (``agent/*``: multi-turn episodes, relax_hpc/envs/metrics.py)."""
 RECENT_KEEP = 100
 """Warnings, errors and alerts kept for the snapshot's ``recent`` list."""
 

@@ -34,9 +34,11 @@ class SweepEntry:
 def _entries_from_file(folder: Path) -> list[SweepEntry]:
     try:
         data = read_json(folder / SWEEP_FILE, default=None)
-    except (OSError, ValueError) as exc:
-        raise RunDirError(f"cannot read {folder / SWEEP_FILE}: {exc}") from exc
+    except OSError as exc:
+        raise RunDirError(f"cannot read {folder / SWEEP_FILE}: {exc.strerror or exc}") from exc
     items = data.get("runs", []) if isinstance(data, dict) else data if isinstance(data, list) else []
+    if not isinstance(items, list):
+        raise RunDirError(f"cannot read {folder / SWEEP_FILE}: damaged (`runs` is not a list)")
     out = []
     for item in items:
         path: Any

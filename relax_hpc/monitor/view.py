@@ -13,11 +13,14 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from relax_hpc.roles.spec import role_names, trainer_side_names
+
 STATE_STYLES = {"running": "green", "starting": "cyan", "draining": "cyan", "paused": "yellow", "stopped": "dim",
                 "completed": "bold green", "waiting": "dim", "pending": "dim", "dead": "bold red", "failed": "red",
                 "stale": "red", "unknown": "magenta"}
 PROBLEM_STATES = ("dead", "failed", "unknown", "waiting", "paused")
-ROLE_ORDER = ("trainer", "colocate", "rollout")
+ROLE_ORDER = (*trainer_side_names(), *(n for n in role_names() if n not in trainer_side_names()))
+"""Order of the role rows: the trainer-side roles first (from the role table)."""
 METRIC_ROWS = (
     (("reward", "reward_mean"), ("loss", "loss"), ("KL", "kl"), ("entropy", "entropy"), ("clip frac", "clipfrac")),
     (("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"), ("step time", "step_time"),
@@ -25,6 +28,9 @@ METRIC_ROWS = (
     (("staleness", "staleness"), ("backlog", "backlog")),
 )
 """Label and snapshot key of the headline numbers: learning, throughput, asynchrony."""
+AGENT_ROW = (("turns/ep", "turns"), ("calls/turn", "tool_calls"), ("tool errs", "tool_errors"),
+             ("tool lat", "tool_latency"), ("truncated", "truncations"))
+"""Multi-turn episodes (shown when the run reports them)."""
 
 
 def fmt_num(v: Any) -> str:
@@ -87,7 +93,8 @@ def _header(snap: dict[str, Any]) -> RenderableType:
     top = Table.grid(padding=0)
     top.add_row(line, bar, eta)
     metrics = Table.grid(padding=(0, 1))
-    for group in METRIC_ROWS:
+    agent = any(snap.get(key) is not None for _, key in AGENT_ROW)
+    for group in (*METRIC_ROWS, AGENT_ROW) if agent else METRIC_ROWS:
         row: list[RenderableType] = []
         for label, key in group:
             v = snap.get(key)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 BUILTIN: dict[str, str] = {
@@ -17,6 +14,8 @@ BUILTIN: dict[str, str] = {
     "format": "relax_hpc.rewards.builtin:format_check",
     "format_check": "relax_hpc.rewards.builtin:format_check",
     "digits_positional": "relax_hpc.rewards.builtin:digits_positional",
+    "multiple_choice": "relax_hpc.rewards.multimodal:multiple_choice",
+    "boxed_answer": "relax_hpc.rewards.multimodal:boxed_answer",
 }
 
 
@@ -25,21 +24,9 @@ def _load(target: str) -> Callable[..., Any]:
     if not mod or not attr:
         raise ValueError(f"reward {target!r} is neither built-in ({', '.join(sorted(BUILTIN))}) nor module:function")
     if mod.endswith(".py"):
-        path = Path(mod).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"reward file {path} does not exist")
-        name = f"relax_hpc_user_reward_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
-        module = sys.modules.get(name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(name, path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[name]  # a fixed file must be importable again
-                raise
+        from relax_hpc.plugins import import_file
+
+        module = import_file(mod, "reward")
     else:
         module = importlib.import_module(mod)
     fn = getattr(module, attr, None)

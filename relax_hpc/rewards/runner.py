@@ -5,6 +5,10 @@ then scores 0 (``on_error: zero``) or is marked in :attr:`RewardResult.dropped` 
 (``on_error: drop``). Sync functions run in the calling thread one sample at a time (no timeout: a sync function
 has to bound its own time, as ``math_answer`` does); async functions run concurrently on an event loop under
 ``reward.timeout_s`` for the whole batch; samples not done by then fail with a timeout.
+
+A function that takes the ``context`` parameter (a :class:`~relax_hpc.rewards.api.RewardContext`: the rollout's
+engine and tokenizer) gets the runner's context; an async one of those is :attr:`RewardRunner.on_loop`: its caller
+awaits :meth:`RewardRunner.score_async` on the loop the engine's requests run on (the rollout driver's).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 
 from relax_hpc.config.schema import RewardConfig
 from relax_hpc.errors import ConfigError
-from relax_hpc.rewards.api import accepts_param, check_signature, is_async, is_batched
+from relax_hpc.rewards.api import CONTEXT_PARAM, RewardContext, accepts_param, check_signature, is_async, is_batched
 from relax_hpc.rewards.registry import resolve_reward
 
 log = logging.getLogger(__name__)
@@ -102,8 +106,9 @@ def _reason(exc: BaseException) -> str:
 class RewardRunner:
     """Runs the reward function of a :class:`RewardConfig` over batches of responses."""
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, context: RewardContext | None = None):
         self.cfg = cfg
+        self.context = context or RewardContext()
         try:
             self.fn = resolve_reward(cfg.name)
         except ValueError as exc:
@@ -118,16 +123,17 @@ class RewardRunner:
         self.is_async = is_async(self.fn)
         self._meta_kw = "metas" if self.batched else "meta"
         self._pass_meta = accepts_param(self.fn, self._meta_kw)
+        self._pass_context = accepts_param(self.fn, CONTEXT_PARAM)
+        self.on_loop = self.is_async and self._pass_context
+        """Await :meth:`score_async` on the engine's loop (the function may send requests to the engine)."""
         self._warned = 0
 
     # ------------------------------------------------------------------------------------------------ public
     def score(self, responses: Sequence[str], answers: Sequence[Any],
               metas: Sequence[dict[str, Any]] | None = None) -> RewardResult:
         """Score ``responses[i]`` against ``answers[i]``. Never raises because of the reward function."""
+        metas = _checked_metas(responses, answers, metas)
         n = len(responses)
-        if len(answers) != n or (metas is not None and len(metas) != n):
-            raise ValueError(f"{n} responses but {len(answers)} answers / {len(metas or [])} metas")
-        metas = list(metas) if metas is not None else [{} for _ in range(n)]
         if n == 0:
             raw: list[Any] = []
         elif not self.is_async:
@@ -143,9 +149,27 @@ class RewardRunner:
                     raw = pool.submit(asyncio.run, coro).result()
         return self._collect(raw)
 
+    async def score_async(self, responses: Sequence[str], answers: Sequence[Any],
+                          metas: Sequence[dict[str, Any]] | None = None) -> RewardResult:
+        """:meth:`score` on the running loop (an async function runs on it; a sync one blocks it meanwhile)."""
+        metas = _checked_metas(responses, answers, metas)
+        n = len(responses)
+        if n == 0:
+            return self._collect([])
+        if not self.is_async:
+            return self._collect(self._run_sync(list(responses), list(answers), metas))
+        return self._collect(await self._run_async(list(responses), list(answers), metas))
+
+    def metrics(self) -> dict[str, float]:
+        """What the reward reported through its context (``context.metrics``), to log with the batch's metrics."""
+        return dict(self.context.metrics)
+
     # ------------------------------------------------------------------------------------------------ kinds
     def _kwargs(self, meta: Any) -> dict[str, Any]:
-        return {**self.cfg.kwargs, self._meta_kw: meta} if self._pass_meta else dict(self.cfg.kwargs)
+        out = {**self.cfg.kwargs, self._meta_kw: meta} if self._pass_meta else dict(self.cfg.kwargs)
+        if self._pass_context:
+            out[CONTEXT_PARAM] = self.context
+        return out
 
     def _run_sync(self, responses: list[str], answers: list[Any], metas: list[dict[str, Any]]) -> list[Any]:
         if self.batched:
@@ -251,3 +275,12 @@ class RewardRunner:
                         len(reasons), self.cfg.on_error, bad[0], more)
         else:
             log.debug("reward %s failed on %d/%d samples: %s", self.cfg.name, len(bad), len(reasons), bad[0])
+
+
+def _checked_metas(responses: Sequence[str], answers: Sequence[Any],
+                   metas: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """``metas`` as a list (empty dicts when None), after checking that every argument has one entry per response."""
+    n = len(responses)
+    if len(answers) != n or (metas is not None and len(metas) != n):
+        raise ValueError(f"{n} responses but {len(answers)} answers / {len(metas or [])} metas")
+    return list(metas) if metas is not None else [{} for _ in range(n)]

@@ -16,9 +16,21 @@ strings or sharded (FSDP) weights; everything else goes through ``generate`` (se
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+
+class DecodeControl(Protocol):
+    """How an engine steers a running batch: called every ``every`` tokens, between a token and the next forward."""
+
+    every: int
+
+    def check(self, generated: int) -> list[int]:
+        """``generated`` tokens exist in every row. Returns the rows to stop now (aborted requests), after running
+        the engine's pending commands and, while the engine is paused without abort, holding the batch (weights
+        may change meanwhile: the next forward uses them)."""
+        ...
 
 
 def loop_supported(model: Any) -> bool:
@@ -74,9 +86,15 @@ def warp(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) 
 
 @torch.no_grad()
 def sample(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, n: int, max_new_tokens: int,
-           temperature: float, top_k: int, top_p: float, eos_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+           temperature: float, top_k: int, top_p: float, eos_id: int, pad_id: int,
+           stop_ids: tuple[int, ...] = (), generator: torch.Generator | None = None,
+           control: DecodeControl | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` responses per left-padded prompt row. Returns (tokens ``[B*n, R]``, log-probs ``[B*n, R]`` float32),
-    rows ordered prompt by prompt (as ``generate`` with ``num_return_sequences=n``); ``R <= max_new_tokens``."""
+    rows ordered prompt by prompt (as ``generate`` with ``num_return_sequences=n``); ``R <= max_new_tokens``.
+
+    A row ends on ``eos_id`` or any of ``stop_ids``; ``generator`` drives the sampling (default: torch's global one);
+    ``control`` may stop rows or hold the batch every ``control.every`` tokens (rows it stops are padded after the
+    tokens they had)."""
     greedy = temperature == 0
     t_lp = 1.0 if greedy else temperature
     prompts, width = input_ids.shape
@@ -100,6 +118,7 @@ def sample(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
     logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=dev)
     done = torch.zeros(rows, dtype=torch.bool, device=dev)
     pad = torch.full((rows,), pad_id, dtype=torch.long, device=dev)
+    stops = torch.tensor(sorted({eos_id, *stop_ids}), dtype=torch.long, device=dev)
     steps = 0
     for t in range(max_new_tokens):
         if t:
@@ -108,13 +127,17 @@ def sample(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
             tok = logits.argmax(dim=-1)
         else:
             probs = warp(logits, temperature=temperature, top_k=top_k, top_p=top_p).softmax(dim=-1)
-            tok = torch.multinomial(probs, num_samples=1).squeeze(1)
+            tok = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
         tok = torch.where(done, pad, tok)
         lp = torch.log_softmax(logits / t_lp if t_lp != 1.0 else logits, dim=-1).gather(-1, tok[:, None])[:, 0]
         tokens[:, t] = tok
         logprobs[:, t] = lp
-        done |= tok == eos_id
+        done |= torch.isin(tok, stops) if len(stops) > 1 else tok == eos_id
         steps = t + 1
+        if control is not None and steps % control.every == 0 and t < max_new_tokens - 1:
+            stopped = control.check(steps)
+            if stopped:
+                done[torch.tensor(stopped, dtype=torch.long, device=dev)] = True
         if t == max_new_tokens - 1 or bool(done.all()):
             break
         pos = pos + 1

@@ -1,63 +1,238 @@
-"""The engine interface: small on purpose, so an in-process engine and a server-per-node engine both fit.
+"""The rollout engine seam: small and asyncio-first, so an in-process engine (``hf``) and a server per node
+(``sglang``, ``vllm``) implement the same few methods.
 
-An engine turns prompt token ids into ``n`` completions each, with the per-token log-probs of the sampled tokens under
-the sampling distribution (logits / temperature), and takes new weights between (or inside) generation batches.
+A request is one prompt (token ids, never text) with its own sampling settings; its result is ``n`` samples, each
+with the generated token ids, the log-probs of those tokens under the sampling distribution
+(``log_softmax(logits / temperature)``, without the top-k/top-p cut: the quantity the trainer recomputes), the weight
+version that produced every token, a loss mask and a finish reason (``stop``, ``length`` or ``abort``).
+
+A request may carry a ``prefix``: tokens already generated for it by earlier engine calls (an aborted request
+resubmitted after a weight update, or an earlier turn of a multi-turn episode). The engine generates after the
+prompt *and* the prefix, and returns only the new tokens; the caller joins them, each token keeping its version.
+
+Weights go *into* the engine through its sink, :meth:`RolloutEngine.receive`: either a complete snapshot folder on
+the run dir (a valid HF model folder, see :mod:`relax_hpc.weights.publisher`) or a stream of flat buckets received
+over a process group (the fast path), or, in colocate, :class:`SharedModule` (the engine generates with the
+trainer's own module: only the version changes). Loading weights is the engine's job; a worker for a server engine
+holds no model.
+
+Implementations register in :func:`make_engine` (one dispatch on ``rollout.engine``) and must pass the conformance
+suite in ``tests/engine_conformance.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from relax_hpc.config.schema import RecipeConfig
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (a recipe's ``rollout.sampling`` gives the defaults)."""
+
+    n: int = 1
+    """Samples for this prompt."""
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k cut."""
+    max_new_tokens: int = 256
+    """Cap on the tokens generated for this request (the prefix, if any, counts against it)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (the text up to and including the stop string is kept)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample (besides the tokenizer's EOS), kept in the output."""
+    seed: int | None = None
+    """Seed of this request's sampling; None = the engine's own generator."""
+
 
 @dataclass
-class Completion:
-    """One sampled response."""
+class Prefix:
+    """Tokens generated earlier for a request, continued by this call (partial rollout, earlier turns)."""
 
     token_ids: np.ndarray
-    """[R] int32 response tokens (the EOS token included when generation stopped on it)."""
+    """[K] int32."""
     logprobs: np.ndarray
-    """[R] float32 log-probs of those tokens under the sampling policy."""
-    finish_reason: Literal["stop", "length"]
-    """``stop``: EOS or a stop string; ``length``: max_new_tokens reached."""
-    version_first: int = 0
-    """Weight version when generation of this response started."""
-    version_last: int = 0
-    """Weight version when it finished (differs if weights changed mid-generation)."""
+    """[K] float32 (0 where ``loss_mask`` is 0)."""
+    versions: np.ndarray
+    """[K] int32 weight version per token (-1 where ``loss_mask`` is 0: tokens the engine did not generate)."""
+    loss_mask: np.ndarray
+    """[K] uint8: 1 on generated tokens, 0 on tokens that came from elsewhere (tool output, environment)."""
+
+
+@dataclass
+class GenerateRequest:
+    """One prompt, ``sampling.n`` samples."""
+
+    request_id: str
+    """Unique among the requests in flight (``abort`` names requests by it)."""
+    prompt_ids: Sequence[int]
+    """The prompt's token ids, as the trainer will see them."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    multimodal: dict[str, Any] | None = None
+    """The processor's tensors for the prompt (``pixel_values``, ``image_grid_thw``, ...), for in-process engines."""
+    media: dict[str, Any] | None = None
+    """Raw media for server engines (image/audio/video data fields), when the prompt has any."""
+    engine_prompt_ids: Sequence[int] | None = None
+    """With ``media``: the prompt's token ids with one placeholder per item (not expanded), what a server engine
+    sends beside the media (the server expands them); None = ``prompt_ids``."""
+    prefixes: list[Prefix] | None = None
+    """One per sample (``len == sampling.n``) to continue earlier samples; None for a fresh request."""
+
+
+@dataclass
+class SampleOutput:
+    """One sample of a request: the tokens generated by this call."""
+
+    token_ids: np.ndarray
+    """[R] int32 (EOS or the stop token included when generation stopped on it)."""
+    logprobs: np.ndarray
+    """[R] float32 under the sampling distribution ``log_softmax(logits / temperature)``."""
+    versions: np.ndarray
+    """[R] int32 weight version that produced each token."""
+    finish_reason: FinishReason
+    loss_mask: np.ndarray | None = None
+    """[R] uint8, 1 on every generated token (None = all ones)."""
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds spent, e.g. ``generate``."""
+    """Seconds spent (``generate``)."""
+
+    def mask(self) -> np.ndarray:
+        return self.loss_mask if self.loss_mask is not None else np.ones(len(self.token_ids), dtype=np.uint8)
 
 
+@dataclass
+class GenerateResult:
+    request_id: str
+    samples: list[SampleOutput]
+    """``sampling.n`` samples, in order."""
+
+
+@dataclass
+class EngineHealth:
+    ok: bool
+    version: int
+    """The weight version the engine serves."""
+    detail: str = ""
+
+
+# --------------------------------------------------------------------------------------------- weight sources
+@dataclass(frozen=True)
+class SnapshotFolder:
+    """A complete snapshot folder on the run dir (HF-loadable: config.json + safetensors under HF names)."""
+
+    path: Path
+    verify: Literal["sha256", "size", "none"] = "sha256"
+
+
+class BucketStream(ABC):
+    """New weights as flat buckets received over a process group (the fast path). In-process engines copy each
+    bucket into their parameters; server engines hand the group's metadata to their server."""
+
+    @abstractmethod
+    def buckets(self) -> Iterator[dict[str, Any]]:
+        """Yield ``{hf_name: tensor}`` buckets of the full (unsharded) weights, in order; each is valid only until
+        the next is requested."""
+
+
+@dataclass(frozen=True)
+class SharedModule:
+    """The engine's module *is* the trainer's module (colocate, torch backend): nothing to copy, only the version
+    changes. Only an in-process engine built on the trainer's module accepts it."""
+
+
+WeightSource = SnapshotFolder | BucketStream | SharedModule
+
+
+# --------------------------------------------------------------------------------------------- the engine
 class RolloutEngine(ABC):
-    """Generates completions; holds one version of the policy weights."""
+    """Generates samples for concurrent requests; holds one version of the policy weights."""
 
     version: int = 0
+    """The weight version new tokens are generated with."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], n: int, *,
-                 multimodal: list[dict[str, Any] | None] | None = None) -> list[list[Completion]]:
-        """``n`` completions for each prompt (outer list: prompts)."""
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Generate ``request.sampling.n`` samples. Many calls may be in flight; the engine batches them. A request
+        aborted (or caught by :meth:`pause` with abort) returns at once with ``finish_reason="abort"`` and the
+        tokens generated so far."""
 
     @abstractmethod
-    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        """Load new weights (full, unsharded names) and record their version."""
+    async def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        """Abort the named requests in flight (all when None); their ``generate`` calls return partial samples."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release resources (servers, GPU memory)."""
+    @abstractmethod
+    async def pause(self, *, abort: bool = True) -> None:
+        """Stop starting new tokens. ``abort``: in-flight requests return now with their partial tokens; else they
+        are held and continue after :meth:`resume`. Requests submitted while paused wait."""
+
+    @abstractmethod
+    async def resume(self) -> None:
+        """Undo :meth:`pause`."""
+
+    @abstractmethod
+    async def receive(self, version: int, source: WeightSource) -> None:
+        """The weight sink: load ``version`` from ``source`` (call between :meth:`pause` and :meth:`resume`, or
+        while nothing is in flight). Afterwards :attr:`version` is ``version``."""
+
+    @abstractmethod
+    async def health(self) -> EngineHealth:
+        """Is the engine serving, and at which version."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (threads, servers, GPU memory)."""
+
+    def metrics(self) -> dict[str, float]:
+        """Counters of the engine for the worker's metrics (server starts, restarts, fallbacks); none by default."""
+        return {}
+
+    def weight_template(self) -> Mapping[str, Any] | None:
+        """Names, dtypes, shapes and device of the weights a :class:`BucketStream` must deliver (``{hf_name:
+        tensor}``, not to be written), for sources that receive into buffers of their own (the fast path); None
+        when the engine receives weights by other means (a server's own update API)."""
+        return None
 
 
-def make_engine(kind: str, **kwargs: Any) -> RolloutEngine:
-    """Build the engine a recipe names (dispatched once here)."""
+async def generate_all(engine: RolloutEngine, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+    """All ``requests`` concurrently; results in request order."""
+    return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
+
+
+def make_engine(cfg: RecipeConfig, *, device: str | None = None, seed: int = 0, tokenizer: Any,
+                model: Any = None, run_dir: Any = None, proc: str = "rollout-0", events: Any = None) -> RolloutEngine:
+    """The engine ``cfg.rollout.engine`` names (dispatched once here). ``model``: the module to generate with, shared
+    with the caller (colocate); None: the engine loads its own weights from ``cfg.model`` (a fully_async worker
+    holds no model). ``device``: where an in-process engine runs (default: ``rollout.device``, or the model's).
+    ``seed``: the engine's sampling seed (requests without their own ``sampling.seed`` draw from it). Server engines
+    (``sglang``, ``vllm``) also take the ``run_dir`` (their record, log and model folder), the process name ``proc``
+    and its ``events`` log (restarts, fallbacks, alerts)."""
+    kind = cfg.rollout.engine
     if kind == "hf":
-        from relax_hpc.rollout.hf_engine import HFEngine
+        from relax_hpc.rollout.hf_engine import from_config
 
-        return HFEngine(**kwargs)
-    if kind == "sglang":
-        from relax_hpc.errors import UserError
+        return from_config(cfg, device=device, seed=seed, tokenizer=tokenizer, model=model)
+    if kind in ("sglang", "vllm"):
+        from relax_hpc.rollout.server import make_server_engine
 
-        raise UserError("rollout.engine=sglang: the SGLang engine (a server per node) is not available in this "
-                        "version; use rollout.engine=hf")
+        if model is not None:
+            from relax_hpc.errors import UserError
+
+            raise UserError(f"rollout.engine={kind}: a server engine generates with its server's own weights and "
+                            "cannot share the trainer's module (colocate); use rollout.engine=hf there")
+        if run_dir is None:
+            raise ValueError(f"rollout.engine={kind}: a server engine needs the run dir")
+        dev = device or ("cpu" if cfg.rollout.device == "cpu" else "cuda")
+        return make_server_engine(cfg, run_dir=run_dir, proc=proc, device=dev, seed=seed, tokenizer=tokenizer,
+                                  events=events)
     raise ValueError(f"unknown rollout engine {kind!r}")

@@ -23,7 +23,9 @@ import copy
 import dataclasses
 import itertools
 import logging
+import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +34,7 @@ import numpy as np
 from relax_hpc.errors import CorruptShardError, RunDirError, StoreError, UserError, WaitTimeout
 from relax_hpc.fsio import atomic_write_json, read_json, refresh_nfs_cache, remove_debris, tmp_name, wait_for
 from relax_hpc.rundir import RunDir
+from relax_hpc.store.announce import list_announced, remove_consumed
 from relax_hpc.store.layout import (
     ShardRef,
     check_consumer,
@@ -58,13 +61,19 @@ log = logging.getLogger("relax_hpc.store")
 Retention = Literal["delete", "keep"]
 #: Shards with at most this many data bytes are read whole when the leader plans them (one open for plan and read).
 SMALL_SHARD_BYTES = 4 << 20
+#: A plan whose look at the announcement index finds too little data lists every writer folder, unless the last
+#: such full scan is younger than this (a plan waiting for data polls; seconds).
+SHORT_RESCAN_S = 1.0
 
 
 class ConsumerGroup:
     """One rank of a consumer group (``name``, default ``"trainer"``) reading the sample store.
 
-    Rank 0 plans (:meth:`plan`), commits (:meth:`commit`) and applies retention; other ranks wait for plans
-    (:meth:`wait_plan`). Every rank reads its part with :meth:`read`. The initial position is the committed one;
+    ``rank``/``world_size`` are the *data-parallel* rank and size: a plan splits a step's groups into
+    ``world_size`` parts and this object reads part ``rank``. With model parallelism several trainer processes share
+    a data-parallel rank (and read the same part); exactly one of them, the ``leader`` (default: ``rank == 0``),
+    plans (:meth:`plan`), commits (:meth:`commit`) and applies retention; the others wait for plans
+    (:meth:`wait_plan`). Every process reads its part with :meth:`read`. The initial position is the committed one;
     a trainer restored from a checkpoint calls :meth:`resume` on every rank before the first plan.
 
     The leader reads the data of a shard it plans together with its header when the shard holds at most
@@ -82,11 +91,16 @@ class ConsumerGroup:
         retention: Retention = "delete",
         keep_plans: int = 16,
         debris_age_s: float = 3600.0,
+        full_scan_s: float = 10.0,
         header_cache: int = 1024,
         data_cache_bytes: int = 64 << 20,
+        leader: bool | None = None,
     ):
         if not 0 <= rank < world_size:
             raise UserError(f"rank must be in [0, {world_size}), got {rank}")
+        if leader and rank != 0:
+            raise UserError(f"the leader plans for every data-parallel rank and reads part 0, not {rank}")
+        self._leader = rank == 0 if leader is None else leader
         if retention not in ("delete", "keep"):
             raise UserError(f"retention must be 'delete' or 'keep', got {retention!r}")
         self.run_dir = open_run_dir(run_dir)
@@ -95,6 +109,10 @@ class ConsumerGroup:
         self.retention: Retention = retention
         self.keep_plans = keep_plans
         self.debris_age_s = debris_age_s
+        #: The planner lists every writer folder at least this often (seconds); in between it reads the index.
+        self.full_scan_s = full_scan_s
+        self._last_full = -math.inf
+        self._retired: dict[str, int] = {}
         self._cache: collections.OrderedDict[tuple[str, int], tuple[ShardHeader, GroupInfo]] = collections.OrderedDict()
         self._cache_size = header_cache
         self._data: collections.OrderedDict[tuple[str, int], dict[str, np.ndarray]] = collections.OrderedDict()
@@ -113,12 +131,20 @@ class ConsumerGroup:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise RunDirError(f"cannot create {folder}: {describe_oserror(exc)}") from exc
-        committed = read_position(self.run_dir.consumer_position(self.name), self.name)
+        #: Why the committed position file could not be read (None: it could, or there is none yet). A trainer
+        #: resuming from a checkpoint uses the checkpoint's copy of the position instead (:meth:`resume`).
+        self.position_problem: str | None = None
+        try:
+            committed = read_position(self.run_dir.consumer_position(self.name), self.name)
+        except StoreError as exc:
+            self.position_problem, committed = str(exc), None
+            log.warning("%s; the position stored in the checkpoint will be used", exc)
         self._set_base(committed or empty_position(self.name))
 
     @property
     def is_leader(self) -> bool:
-        return self.rank == 0
+        """This process plans and commits (one per consumer group)."""
+        return self._leader
 
     @property
     def position(self) -> dict[str, Any]:
@@ -149,7 +175,7 @@ class ConsumerGroup:
         micro-batch as a further step). A plan already on disk for ``step`` that continues this chain is replayed.
         """
         if not self.is_leader:
-            raise StoreError(f"only rank 0 plans; rank {self.rank} calls wait_plan({step})")
+            raise StoreError(f"only rank 0 plans (the leader); rank {self.rank} calls wait_plan({step})")
         if (num_samples is None) == (num_groups is None):
             raise UserError("give exactly one of num_samples and num_groups")
         if (num_samples or num_groups or 0) < 1:
@@ -169,19 +195,9 @@ class ConsumerGroup:
         found: list[Any] = []
 
         def attempt() -> Any:
-            sel = select(
-                self.run_dir,
-                self._base["writers"],
-                num_samples=num_samples,
-                num_groups=num_groups,
-                min_version=min_version,
-                stale_policy=stale_policy,
-                group_info=self._group_info,
-                extra_refs=self._quarantined_ref,
-            )
+            sel = self._select(num_samples, num_groups, min_version, stale_policy, wait=wait)
             found[:] = [sel]
-            enough = len(sel.groups) >= num_groups if num_groups is not None else sel.samples >= (num_samples or 0)
-            return sel if enough or not wait else None
+            return sel if self._enough(sel, num_samples, num_groups) or not wait else None
 
         want = f"{num_groups} groups" if num_groups is not None else f"{num_samples} samples"
         try:
@@ -219,6 +235,40 @@ class ConsumerGroup:
             self.counters[key] += int(sel.stats.get(key, 0))
         self.counters["quarantined_shards"] += len(sel.stats["quarantined_shards"])
         return self._accept(plan)
+
+    @staticmethod
+    def _enough(sel: Any, num_samples: int | None, num_groups: int | None) -> bool:
+        return len(sel.groups) >= num_groups if num_groups is not None else sel.samples >= (num_samples or 0)
+
+    def _select(self, num_samples: int | None, num_groups: int | None, min_version: int | None,
+                stale_policy: StalePolicy, *, wait: bool) -> Any:
+        """One look for the groups of a plan: from the announcement index, or (the first plan, every
+        ``full_scan_s``, a damaged index) from a listing of every writer folder. A look at the index that finds too
+        little data for a plan that waits (nothing, for a plan that takes what there is: streaming plans are short
+        by design), or an announced shard that is not visible, lists every folder at once unless that was done less
+        than ``SHORT_RESCAN_S`` ago (a lost announcement or an attribute cache never hides data for longer)."""
+        now = time.monotonic()
+        args: dict[str, Any] = {"num_samples": num_samples, "num_groups": num_groups, "min_version": min_version,
+                                "stale_policy": stale_policy, "group_info": self._group_info,
+                                "extra_refs": self._quarantined_ref}
+        if now - self._last_full < self.full_scan_s:
+            index, damaged = list_announced(self.run_dir)
+            self.counters["index_damaged"] += damaged
+            if not damaged:
+                sel = select(self.run_dir, self._base["writers"], index=index, visible=self._visible, **args)
+                self.counters["index_plans"] += 1
+                self.counters["index_gaps"] += sel.stats.pop("index_gaps", 0)
+                missing = sel.stats.pop("index_missing", 0)
+                self.counters["index_missing"] += missing
+                enough = not missing and (self._enough(sel, num_samples, num_groups) if wait else bool(sel.groups))
+                if enough or now - self._last_full < SHORT_RESCAN_S:
+                    return sel
+        self._last_full = now
+        self.counters["full_scans"] += 1
+        return select(self.run_dir, self._base["writers"], fresh_listing=True, **args)
+
+    def _visible(self, ref: ShardRef) -> bool:
+        return resolve(self.run_dir, ref) is not None
 
     def _publish_planned(self, plan_path: Path | None, position: dict[str, Any]) -> None:
         """Make ``planned.json`` give ``position``: a symbolic link to the plan file that ends with it (replacing a
@@ -446,7 +496,8 @@ class ConsumerGroup:
         position = check_position(position, self.name)
         atomic_write_json(self.run_dir.consumer_position(self.name), position)
         if self.retention == "delete":
-            self.counters["shards_retired"] += delete_consumed(self.run_dir, position)
+            self.counters["shards_retired"] += delete_consumed(self.run_dir, position, self._retired)
+        self.counters["announcements_retired"] += remove_consumed(self.run_dir, position)  # kept shards too
         step = position.get("step")
         if isinstance(step, int):
             prune_plans(self.run_dir, self.name, step - self.keep_plans)
@@ -458,7 +509,7 @@ class ConsumerGroup:
         Plans for later steps are replayed if they continue from it, otherwise re-planned.
         """
         if position is None:
-            position = read_position(self.run_dir.consumer_position(self.name), self.name)
+            position = read_position(self.run_dir.consumer_position(self.name), self.name)  # raises if damaged
         self._plans.clear()
         for key in list(self._data):
             self._forget_data(key)

@@ -6,6 +6,11 @@ a symbol-table root group: what every HDF5 library reads), with the data after t
 any other file, so the caller falls back to the HDF5 library, which also names any damage. Nothing here is trusted
 beyond the shard's own checksums: a reader verifies what it located.
 
+The root group's names are kept in one B-tree node (level 0) whose children are symbol table nodes of up to
+``2 * LEAF_K`` names each, the library's own layout for a group of that many members, so a file holds up to
+``MAX_DATASETS`` datasets (the B-tree node's ``2 * INTERNAL_K`` children); a caller with more falls back to the
+library.
+
 The library costs ~0.1 ms per object created or opened; a text shard has ten of them, and a trainer step plans and
 reads a few shards.
 """
@@ -21,7 +26,8 @@ UNDEF = 0xFFFFFFFFFFFFFFFF
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
 LEAF_K = 4  # symbol table nodes hold up to 2 * LEAF_K names (the library's default)
 INTERNAL_K = 16  # group B-tree nodes have room for 2 * INTERNAL_K children (the library's default)
-MAX_DATASETS = 2 * LEAF_K
+SNOD_ENTRIES = 2 * LEAF_K
+MAX_DATASETS = 2 * INTERNAL_K * SNOD_ENTRIES
 _HEAP_FREE_NULL = 1  # "no free block" in a local heap
 _SNOD_BYTES = 8 + 2 * LEAF_K * 40
 _TREE_BYTES = 24 + 2 * INTERNAL_K * 8 + (2 * INTERNAL_K + 1) * 8
@@ -76,11 +82,12 @@ def _attribute(name: str, value: int | bytes) -> bytes:
 
 
 def build_image(datasets: dict[str, np.ndarray], attrs: dict[str, int | bytes]) -> bytearray:
-    """The bytes of an HDF5 file with these contiguous 1-D datasets (names without ``/``, at most
-    ``MAX_DATASETS``) and scalar int64 / fixed-length string attributes on the root group."""
+    """The bytes of an HDF5 file with these contiguous 1-D datasets (names without ``/``, 1 to ``MAX_DATASETS``)
+    and scalar int64 / fixed-length string attributes on the root group."""
     names = sorted(datasets, key=str.encode)
-    if len(names) > MAX_DATASETS or any("/" in n or not n for n in names):
+    if not 0 < len(names) <= MAX_DATASETS or any("/" in n or not n for n in names):
         raise ValueError(f"cannot lay out datasets {names}")
+    chunks = [names[i : i + SNOD_ENTRIES] for i in range(0, len(names), SNOD_ENTRIES)]  # one symbol table node each
     heap_data, name_offset = bytearray(8), {}  # offset 0: the empty name
     for n in names:
         name_offset[n] = len(heap_data)
@@ -99,7 +106,7 @@ def build_image(datasets: dict[str, np.ndarray], attrs: dict[str, int | bytes]) 
     heap_at = root_at + root_bytes
     tree_at = heap_at + 32 + len(heap_data)
     snod_at = tree_at + _TREE_BYTES
-    at = snod_at + _SNOD_BYTES
+    at = snod_at + len(chunks) * _SNOD_BYTES
     header_at = {}
     for n in names:
         header_at[n] = at
@@ -119,11 +126,16 @@ def build_image(datasets: dict[str, np.ndarray], attrs: dict[str, int | bytes]) 
     out[root_at:heap_at] = root
     out[heap_at : heap_at + 32] = struct.pack("<4sB3xQQQ", b"HEAP", 0, len(heap_data), _HEAP_FREE_NULL, heap_at + 32)
     out[heap_at + 32 : tree_at] = heap_data
-    tree = struct.pack("<4sBBHQQQQQ", b"TREE", 0, 0, 1, UNDEF, UNDEF, 0, snod_at, name_offset[names[-1]])
+    # keys around the children: the empty name, then the last (largest) name of each child
+    tree = struct.pack("<4sBBHQQQ", b"TREE", 0, 0, len(chunks), UNDEF, UNDEF, 0)
+    for i, chunk in enumerate(chunks):
+        tree += struct.pack("<QQ", snod_at + i * _SNOD_BYTES, name_offset[chunk[-1]])
     out[tree_at : tree_at + len(tree)] = tree
-    snod = struct.pack("<4sBBH", b"SNOD", 1, 0, len(names))
-    snod += b"".join(struct.pack("<QQII16x", name_offset[n], header_at[n], 0, 0) for n in names)
-    out[snod_at : snod_at + len(snod)] = snod
+    for i, chunk in enumerate(chunks):
+        snod = struct.pack("<4sBBH", b"SNOD", 1, 0, len(chunk))
+        snod += b"".join(struct.pack("<QQII16x", name_offset[n], header_at[n], 0, 0) for n in chunk)
+        at = snod_at + i * _SNOD_BYTES
+        out[at : at + len(snod)] = snod
     for n in names:
         arr = datasets[n]
         layout = _message(_MSG_LAYOUT, struct.pack("<BBQQ", 3, 1, data_at[n], arr.nbytes))
@@ -182,21 +194,22 @@ def _locate(buf: Any) -> tuple[dict[str, tuple[int, int, np.dtype]], dict[str, i
         pos += 8 + msize
     sig, version, heap_size, _, heap_data = _HEAP.unpack_from(buf, heap_at)
     sig_tree, node_type, level, used = _NODE.unpack_from(buf, tree_at)
-    if (sig, version, sig_tree, node_type, level, used) != (b"HEAP", 0, b"TREE", 0, 0, 1):
-        raise _Unknown
-    snod_at = _ENTRY.unpack_from(buf, tree_at + 24)[1]
-    sig, version, _, count = _NODE.unpack_from(buf, snod_at)
-    if sig != b"SNOD" or version != 1 or count > MAX_DATASETS:
+    if (sig, version, sig_tree, node_type, level) != (b"HEAP", 0, b"TREE", 0, 0) or not 0 < used <= 2 * INTERNAL_K:
         raise _Unknown
     heap_end = heap_data + heap_size
     datasets: dict[str, tuple[int, int, np.dtype]] = {}
-    for i in range(count):
-        name_at, header_at = _ENTRY.unpack_from(buf, snod_at + 8 + 40 * i)
-        name_at += heap_data
-        name_end = buf.find(b"\0", name_at, heap_end) if name_at < heap_end else -1
-        if name_end < 0:
+    for child in range(used):
+        snod_at = _ENTRY.unpack_from(buf, tree_at + 24 + 16 * child)[1]
+        sig, version, _, count = _NODE.unpack_from(buf, snod_at)
+        if sig != b"SNOD" or version != 1 or count > SNOD_ENTRIES:
             raise _Unknown
-        datasets[bytes(buf[name_at:name_end]).decode()] = _dataset(buf, header_at)
+        for i in range(count):
+            name_at, header_at = _ENTRY.unpack_from(buf, snod_at + 8 + 40 * i)
+            name_at += heap_data
+            name_end = buf.find(b"\0", name_at, heap_end) if name_at < heap_end else -1
+            if name_end < 0:
+                raise _Unknown
+            datasets[bytes(buf[name_at:name_end]).decode()] = _dataset(buf, header_at)
     return datasets, attrs
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from relax_hpc.rundir import RunDir
-from relax_hpc.store.layout import ShardRef, list_writers, scan_shards
+from relax_hpc.store.announce import Announced
+from relax_hpc.store.layout import ShardRef, list_writers, scan_shards_cached
 
 StalePolicy = Literal["drop", "flag"]
 _NOTHING = (0, 0, 0)
@@ -98,6 +99,10 @@ class Selection:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+_Queue = list[tuple[int, int, int, int, int]]
+"""A writer's shards not yet fully consumed, newest first: (seq, samples, groups, min version, max version)."""
+
+
 def select(
     rd: RunDir,
     base: dict[str, list[int]],
@@ -108,29 +113,59 @@ def select(
     stale_policy: StalePolicy,
     group_info: Callable[[ShardRef], GroupInfo | None],
     extra_refs: Callable[[str, int], ShardRef | None],
+    fresh_listing: bool = False,
+    index: Announced | None = None,
+    visible: Callable[[ShardRef], bool] | None = None,
 ) -> Selection:
     """Pick groups past ``base`` until ``num_samples`` samples (or ``num_groups`` groups) are chosen or none are left.
 
-    ``group_info(ref)`` returns None for a corrupt shard (the caller has quarantined it); ``extra_refs(writer, seq)``
-    finds a partly consumed shard that is no longer in its writer folder (moved to quarantine by a reader).
+    Shards are taken oldest weights first across writers (a heap on each writer's next shard). ``group_info(ref)``
+    returns None for a corrupt shard (the caller has quarantined it); ``extra_refs(writer, seq)`` finds a partly
+    consumed shard that is no longer in its writer folder (moved to quarantine by a reader).
+
+    With ``index`` (the announced shards, :func:`relax_hpc.store.announce.list_announced`) the writers' queues come
+    from it instead of a listing of every writer folder; a writer whose announced ``seq`` do not continue its
+    position without a gap is listed (``stats["index_gaps"]``). ``visible(ref)`` is then asked before a shard is
+    taken: an announced shard that is not visible ends its writer's queue for this plan (``stats["index_missing"]``),
+    it is never counted as lost.
     """
     sel = Selection(writers={w: list(e) for w, e in base.items()})
-    st = {
-        "stale_dropped_samples": 0,
-        "stale_dropped_groups": 0,
-        "stale_flagged_samples": 0,
-        "quarantined_shards": [],
-        "quarantined_samples": 0,
-    }
-    sel.stats = st
+    sel.stats = {"stale_dropped_samples": 0, "stale_dropped_groups": 0, "stale_flagged_samples": 0,
+                 "quarantined_shards": [], "quarantined_samples": 0}
+    take = _Taker(sel, min_version, stale_policy,
+                  max_groups=num_groups if num_groups is not None else math.inf,
+                  max_samples=num_samples if num_samples is not None and num_groups is None else math.inf)
+    if index is None:
+        queues = _writer_queues(rd, sel, extra_refs, fresh_listing)
+    else:
+        queues = _index_queues(rd, sel, index, extra_refs)
+    heap = [(q[-1][3], q[-1][0], w) for w, q in queues.items()]
+    heapq.heapify(heap)
+    while heap and not take.full():
+        _, _, w = heapq.heappop(heap)
+        ref = ShardRef(w, *queues[w].pop())
+        if visible is not None and not visible(ref):
+            sel.stats["index_missing"] = sel.stats.get("index_missing", 0) + 1
+            continue
+        if take.shard(ref, group_info) and queues[w]:
+            nxt = queues[w][-1]
+            heapq.heappush(heap, (nxt[3], nxt[0], w))
+    sel.samples = take.total
+    if not take.drop:
+        sel.stats.pop("stale_dropped_samples")
+        sel.stats.pop("stale_dropped_groups")
+    if not take.flag:
+        sel.stats.pop("stale_flagged_samples")
+    return sel
 
-    max_groups = num_groups if num_groups is not None else math.inf
-    max_samples = num_samples if num_samples is not None and num_groups is None else math.inf
-    queues: dict[str, list[tuple[int, int, int, int, int]]] = {}
-    heap: list[tuple[int, int, str]] = []
-    for w in sorted(set(list_writers(rd)) | set(base)):
+
+def _writer_queues(rd: RunDir, sel: Selection, extra_refs: Callable[[str, int], ShardRef | None],
+                   fresh: bool) -> dict[str, _Queue]:
+    """Every writer's shards from its position on (a partly consumed shard moved to quarantine comes first)."""
+    queues: dict[str, _Queue] = {}
+    for w in sorted(set(list_writers(rd)) | set(sel.writers)):
         seq, g, _ = sel.writers.get(w, _NOTHING)
-        found = scan_shards(rd, w, seq)
+        found = scan_shards_cached(rd, w, seq, fresh=fresh)
         if g > 0 and (not found or found[0][0] != seq):
             moved = extra_refs(w, seq)
             if moved is not None:
@@ -138,60 +173,90 @@ def select(
         if found:
             found.reverse()  # the next shard is the last item
             queues[w] = found
-            heapq.heappush(heap, (found[-1][3], found[-1][0], w))
-    drop = stale_policy == "drop" and min_version is not None
-    flag = stale_policy == "flag" and min_version is not None
-    chosen = sel.groups
-    count = total = 0
-    while heap and count < max_groups and total < max_samples:
-        _, _, w = heapq.heappop(heap)
-        ref = ShardRef(w, *queues[w].pop())
-        pos = sel.writers.get(w, _NOTHING)
+    return queues
+
+
+def _index_queues(rd: RunDir, sel: Selection, index: Announced,
+                  extra_refs: Callable[[str, int], ShardRef | None]) -> dict[str, _Queue]:
+    """:func:`_writer_queues` from the announced shards: only writers with announcements (or a partly consumed
+    shard) are looked at, and one whose announcements leave a gap after its position is listed (the truth)."""
+    queues: dict[str, _Queue] = {}
+    partial = [w for w, e in sel.writers.items() if e[1] > 0 and w not in index]
+    for w in [*index, *partial]:
+        seq, g, _ = sel.writers.get(w, _NOTHING)
+        found = [t for t in index.get(w, ()) if t[0] >= seq]
+        gap = not found or found[0][0] != seq or found[-1][0] - seq != len(found) - 1
+        if gap and (found or g > 0):
+            sel.stats["index_gaps"] = sel.stats.get("index_gaps", 0) + 1
+            found = scan_shards_cached(rd, w, seq, fresh=True)
+        if g > 0 and (not found or found[0][0] != seq):
+            moved = extra_refs(w, seq)
+            if moved is not None:
+                found.insert(0, (moved.seq, moved.num_samples, moved.num_groups, moved.min_version, moved.max_version))
+        if found:
+            found.reverse()  # the next shard is the last item
+            queues[w] = found
+    return queues
+
+
+class _Taker:
+    """The groups :func:`select` takes, shard by shard, with the stale policy and the limits applied."""
+
+    def __init__(self, sel: Selection, min_version: int | None, stale_policy: StalePolicy, *,
+                 max_groups: float, max_samples: float):
+        self.sel, self.st = sel, sel.stats
+        self.floor = min_version if min_version is not None else -1
+        self.drop = stale_policy == "drop" and min_version is not None
+        self.flag = stale_policy == "flag" and min_version is not None
+        self.max_groups, self.max_samples = max_groups, max_samples
+        self.count = self.total = 0
+
+    def full(self) -> bool:
+        return self.count >= self.max_groups or self.total >= self.max_samples
+
+    def shard(self, ref: ShardRef, group_info: Callable[[ShardRef], GroupInfo | None]) -> bool:
+        """Take what the limits allow of ``ref`` past the writer's position; True if the shard is done with."""
+        pos = self.sel.writers.get(ref.writer_id, _NOTHING)
         g_start, s_start = (pos[1], pos[2]) if pos[0] == ref.seq else (0, 0)
         done = True
-        if drop and ref.max_version < min_version:  # the whole rest of the shard is stale: no need to open it
-            st["stale_dropped_samples"] += ref.num_samples - s_start
-            st["stale_dropped_groups"] += ref.num_groups - g_start
+        if self.drop and ref.max_version < self.floor:  # the whole rest of the shard is stale: no need to open it
+            self.st["stale_dropped_samples"] += ref.num_samples - s_start
+            self.st["stale_dropped_groups"] += ref.num_groups - g_start
         else:
             info = group_info(ref)
             if info is None:
-                st["quarantined_shards"].append(ref.rel)
-                st["quarantined_samples"] += ref.num_samples - s_start
+                self.st["quarantined_shards"].append(ref.rel)
+                self.st["quarantined_samples"] += ref.num_samples - s_start
             else:
-                idx = -1
-                g, s = g_start, s_start
-                sizes, mins = info.group_sizes, info.group_min_version
-                while g < ref.num_groups and count < max_groups and total < max_samples:
-                    size = sizes[g]
-                    if drop and mins[g] < min_version:
-                        st["stale_dropped_samples"] += size
-                        st["stale_dropped_groups"] += 1
-                    else:
-                        if idx < 0:
-                            sel.shards.append(ref)
-                            idx = len(sel.shards) - 1
-                        chosen.append((idx, g, size))
-                        count += 1
-                        total += size
-                        if flag and mins[g] < min_version:
-                            st["stale_flagged_samples"] += sum(v < min_version for v in info.sample_versions[g])
-                    g += 1
-                    s += size
+                g, s = self._groups(ref, info, g_start, s_start)
                 if g < ref.num_groups:
-                    sel.writers[w] = [ref.seq, g, s]
+                    self.sel.writers[ref.writer_id] = [ref.seq, g, s]
                     done = False
         if done:
-            sel.writers[w] = [ref.seq + 1, 0, 0]
-            if queues[w]:
-                nxt = queues[w][-1]
-                heapq.heappush(heap, (nxt[3], nxt[0], w))
-    sel.samples = total
-    if not drop:
-        st.pop("stale_dropped_samples")
-        st.pop("stale_dropped_groups")
-    if stale_policy != "flag" or min_version is None:
-        st.pop("stale_flagged_samples")
-    return sel
+            self.sel.writers[ref.writer_id] = [ref.seq + 1, 0, 0]
+        return done
+
+    def _groups(self, ref: ShardRef, info: GroupInfo, g: int, s: int) -> tuple[int, int]:
+        """Take groups of ``ref`` from group ``g`` (sample ``s``) on; returns the position after the last one seen."""
+        idx = -1
+        sizes, mins = info.group_sizes, info.group_min_version
+        while g < ref.num_groups and not self.full():
+            size = sizes[g]
+            if self.drop and mins[g] < self.floor:
+                self.st["stale_dropped_samples"] += size
+                self.st["stale_dropped_groups"] += 1
+            else:
+                if idx < 0:
+                    self.sel.shards.append(ref)
+                    idx = len(self.sel.shards) - 1
+                self.sel.groups.append((idx, g, size))
+                self.count += 1
+                self.total += size
+                if self.flag and mins[g] < self.floor:
+                    self.st["stale_flagged_samples"] += sum(v < self.floor for v in info.sample_versions[g])
+            g += 1
+            s += size
+        return g, s
 
 
 def split_ranks(

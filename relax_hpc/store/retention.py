@@ -12,10 +12,16 @@ from relax_hpc.rundir import RunDir
 from relax_hpc.store.layout import list_shards
 
 
-def delete_consumed(rd: RunDir, position: dict[str, Any]) -> int:
-    """Delete every shard fully consumed at ``position`` (``seq`` below the writer's entry); returns how many."""
+def delete_consumed(rd: RunDir, position: dict[str, Any], done: dict[str, int] | None = None) -> int:
+    """Delete every shard fully consumed at ``position`` (``seq`` below the writer's entry); returns how many.
+
+    ``done`` (updated here) remembers, per writer, the ``seq`` below which this process deleted everything already:
+    a writer whose entry did not move since is not listed again (a commit then lists the writers that advanced, not
+    every writer of the run)."""
     n = 0
     for writer_id, (seq, _, _) in position["writers"].items():
+        if done is not None and done.get(writer_id, 0) >= seq:
+            continue
         for ref in list_shards(rd, writer_id):
             if ref.seq >= seq:
                 break
@@ -24,6 +30,8 @@ def delete_consumed(rd: RunDir, position: dict[str, Any]) -> int:
                 n += 1
             except FileNotFoundError:
                 pass
+        if done is not None:
+            done[writer_id] = seq
     return n
 
 

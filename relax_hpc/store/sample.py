@@ -72,6 +72,10 @@ class Sample:
     """Set from the :class:`SampleGroup` on write and filled in on read."""
     stale: bool = False
     """On read: ``version < min_version`` of the plan (only ever True with ``stale_policy="flag"``)."""
+    turns: np.ndarray | None = None
+    """Multi-turn samples: ``[T, 2]`` (start, end) of each generated turn in ``response_ids`` (stored as int32 in
+    the shard's ``turns`` column; ``0 <= start <= end <= len(response_ids)``, turns in order, not overlapping).
+    None for single-turn samples and for samples of shards written before the column existed."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sample:
@@ -132,6 +136,8 @@ class CheckedSample:
     doc: dict[str, Any]
     """The JSON part: ``{"r": rewards, "t": timings, "m": metadata}`` (empty entries left out)."""
     tensors: dict[str, tuple[np.ndarray, str]]
+    turns: np.ndarray | None = None
+    """``[T, 2]`` int32 turn boundaries, or None."""
 
 
 def _int_array(value: Any, name: str, where: str) -> np.ndarray:
@@ -228,6 +234,7 @@ class CheckedColumns:
     version_last: list[int]
     doc: list[dict[str, Any]]
     tensors: list[dict[str, tuple[np.ndarray, str]]]
+    turns: list[np.ndarray | None]
 
     @classmethod
     def of(cls, checked: list[CheckedSample]) -> CheckedColumns:
@@ -238,7 +245,7 @@ def check_columns(samples: list[Any]) -> CheckedColumns | None:
     """:func:`check_sample` for every sample of a shard at once, field by field, for the common case: numpy token
     and log-prob arrays, Python numbers, plain dicts of floats, no tensors. None for anything else: then check sample
     by sample, which accepts the same samples (and more) or names the problem. Never accepts what that rejects."""
-    if {type(s) for s in samples} != {Sample} or [s for s in samples if s.tensors]:
+    if {type(s) for s in samples} != {Sample} or [s for s in samples if s.tensors or s.turns is not None]:
         return None
     nd = np.ndarray
     prompts = [s.prompt_ids for s in samples]
@@ -274,7 +281,8 @@ def check_columns(samples: list[Any]) -> CheckedColumns | None:
     if docs is None:
         return None
     tensors: list[dict[str, tuple[np.ndarray, str]]] = [{} for _ in samples]
-    return CheckedColumns(prompts, responses, masks, logprobs, rewards, versions, firsts, lasts, docs, tensors)
+    return CheckedColumns(prompts, responses, masks, logprobs, rewards, versions, firsts, lasts, docs, tensors,
+                          [None] * len(samples))
 
 
 def _docs(samples: list[Sample]) -> list[dict[str, Any]] | None:
@@ -356,4 +364,23 @@ def check_sample(sample: Sample | dict[str, Any], where: str) -> CheckedSample:
             if not isinstance(tname, str) or not NAME_RE.match(tname):
                 raise SampleValidationError(f"{where}: tensor name {tname!r} must match {NAME_RE.pattern}")
             tensors[tname] = tensor_to_numpy(value, declared.get(tname), tname, where)
-    return CheckedSample(prompt, response, mask, logprobs, reward, version, first, last, doc, tensors)
+    turns = None if sample.turns is None else _turns(sample.turns, n, where)
+    return CheckedSample(prompt, response, mask, logprobs, reward, version, first, last, doc, tensors, turns)
+
+
+def _turns(value: Any, n: int, where: str) -> np.ndarray:
+    """Turn boundaries as a ``[T, 2]`` int32 array of ordered, non-overlapping ranges inside ``[0, n]``."""
+    arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if arr.size == 0:
+        arr = arr.reshape(0, 2)
+    if arr.ndim != 2 or arr.shape[1] != 2 or arr.dtype.kind not in "iu":
+        raise SampleValidationError(
+            f"{where}: field 'turns' must be a [T, 2] integer array of (start, end), got {arr.dtype} {arr.shape}"
+        )
+    flat = arr.reshape(-1).astype(np.int64)
+    if flat.size and (flat[0] < 0 or flat[-1] > n or bool((np.diff(flat) < 0).any())):
+        raise SampleValidationError(
+            f"{where}: field 'turns' must hold ordered, non-overlapping (start, end) ranges within the {n} "
+            f"response tokens, got {arr.tolist()}"
+        )
+    return arr.astype(np.int32, copy=False)

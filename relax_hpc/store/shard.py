@@ -47,6 +47,8 @@ OFFSETS_OF = {
     "loss_mask": "response_offsets",
     "logprobs": "response_offsets",
 }
+TURNS = "turns"
+"""The optional turn-boundary column: (start, end) int32 pairs, located by the ``turn_counts`` index section."""
 #: Tensors averaging at least this many bytes per sample are written sample by sample (no concatenation copy).
 SLICE_WRITE_BYTES = 1 << 20
 DIGEST_BLOCK = 4096
@@ -86,11 +88,12 @@ class EncodedShard:
     def write(self, path: Path, *, fsync: bool = True) -> None:
         """Write the shard to ``path`` (a new file) and fsync it. OSError propagates (the caller names the file).
 
-        A shard without tensors of at most ``IMAGE_BYTES`` is laid out in memory (:mod:`~relax_hpc.store.h5raw`)
-        and written with one system call; any other is written by the HDF5 library, big tensors sample by sample.
+        A shard without tensors of at most ``IMAGE_BYTES`` (and at most ``h5raw.MAX_DATASETS`` datasets) is laid out
+        in memory (:mod:`~relax_hpc.store.h5raw`) and written with one system call; any other is written by the
+        HDF5 library, big tensors sample by sample.
         """
         header_bytes = json.dumps(self.header, separators=(",", ":")).encode()
-        if self.nbytes <= IMAGE_BYTES and not self.header["tensors"]:
+        if self.nbytes <= IMAGE_BYTES and not self.header["tensors"] and len(self.columns) + 2 <= h5raw.MAX_DATASETS:
             self._write_image(path, header_bytes, fsync=fsync)
             return
         fid = h5io.create_file(path)
@@ -114,7 +117,8 @@ class EncodedShard:
     def _write_image(self, path: Path, header_bytes: bytes, *, fsync: bool) -> None:
         datasets = {"header": np.frombuffer(header_bytes, np.uint8), "index": self.index}
         datasets.update(self.columns)  # type: ignore[arg-type]  # every column is one array here
-        attrs = {"format": FORMAT.encode(), "header_crc": zlib.crc32(self.index.data, zlib.crc32(header_bytes))}
+        crc = zlib.crc32(self.index.data, zlib.crc32(header_bytes))
+        attrs: dict[str, int | bytes] = {"format": FORMAT.encode(), "header_crc": crc}
         image = memoryview(h5raw.build_image(datasets, attrs))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
@@ -256,12 +260,25 @@ def _tensor_columns(
     return columns, offsets_of, carriers, specs, sections
 
 
+def _turn_column(
+    turns: list[np.ndarray | None], columns: dict[str, np.ndarray | list[np.ndarray]]
+) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """The ``turns`` column (when any sample has turn boundaries): (start, end) pairs, flat, int32, added to
+    ``columns``; returns the ``turn_counts`` index section (turns per sample, -1 for a sample without) and the
+    column's element offsets, or ({}, None) for a shard without turns (laid out as before the column existed)."""
+    if all(t is None for t in turns):
+        return {}, None
+    counts = np.array([-1 if t is None else t.shape[0] for t in turns], np.int64)
+    columns["turns"] = np.concatenate([t.reshape(-1) for t in turns if t is not None], dtype=np.int32)
+    return {"turn_counts": counts}, _offsets((2 * np.maximum(counts, 0)).tolist())
+
+
 def _group_digests(
     col: np.ndarray | list[np.ndarray], bounds: list[int], goff: list[int], carriers: list[int] | None
 ) -> list[int]:
     """The checksum of each group's slice of one data dataset."""
     if isinstance(col, np.ndarray):
-        data = memoryview(np.ascontiguousarray(col).view(np.uint8))
+        data = memoryview(np.ascontiguousarray(col).view(np.uint8))  # type: ignore[arg-type]  # ndarrays are buffers
         k = col.itemsize
         return [zlib.crc32(data[a * k : b * k]) for a, b in itertools.pairwise(bounds)]
     assert carriers is not None  # big tensors kept per sample: the blocksum digest chained over a group's samples
@@ -324,6 +341,7 @@ def encode_shard(groups: list[SampleGroup], *, writer_id: str, seq: int) -> Enco
     prompt_off = _offsets([a.shape[0] for a in prompts])
     response_off = _offsets([a.shape[0] for a in responses])
     json_group_off = _offsets([len(p) for p in json_parts])
+    turn_sections, turn_off = _turn_column(checked.turns, columns)
     tcols, toffsets, carriers, tspecs, tsections = _tensor_columns(checked.tensors, where)
     columns.update(tcols)
     # element offsets at group boundaries, per dataset
@@ -333,6 +351,7 @@ def encode_shard(groups: list[SampleGroup], *, writer_id: str, seq: int) -> Enco
         ("response_ids", response_off),
         ("loss_mask", response_off),
         ("logprobs", response_off),
+        *([("turns", turn_off)] if turn_off is not None else []),
         *toffsets.items(),
     ):
         bounds[name] = off[group_off]
@@ -348,6 +367,7 @@ def encode_shard(groups: list[SampleGroup], *, writer_id: str, seq: int) -> Enco
         "prompt_offsets": prompt_off,
         "response_offsets": response_off,
         "json_group_offsets": json_group_off,
+        **turn_sections,
         **tsections,
     }
     index = np.concatenate([np.asarray(a, np.int64) for a in sections.values()])

@@ -21,11 +21,12 @@ import numpy as np
 from relax_hpc.errors import CorruptShardError
 from relax_hpc.store import h5io, h5raw
 from relax_hpc.store.sample import Sample
-from relax_hpc.store.shard import BLOCKSUM, FORMAT, MAX_HEADER_BYTES, OFFSETS_OF, blocksum
+from relax_hpc.store.shard import BLOCKSUM, FORMAT, MAX_HEADER_BYTES, OFFSETS_OF, TURNS, blocksum
 
 #: Datasets bigger than this (in this read) are read in pieces of this size, checksummed on a helper thread.
 PIECE_BYTES = 8 << 20  # a multiple of DIGEST_BLOCK
-_ITEM_BYTES = {"prompt_ids": 4, "response_ids": 4, "loss_mask": 1, "logprobs": 4, "reward": 8, "sample_json": 1}
+_ITEM_BYTES = {"prompt_ids": 4, "response_ids": 4, "loss_mask": 1, "logprobs": 4, "reward": 8, "sample_json": 1,
+               "turns": 4}
 
 
 @dataclass
@@ -61,7 +62,17 @@ class ShardHeader:
             return np.arange(self.num_samples + 1, dtype=np.int64)
         if dataset.startswith("tensors/"):
             return self.sections[f"{dataset.removeprefix('tensors/')}.offsets"]
+        if dataset == TURNS:
+            return self.turn_offsets
         return self.sections[OFFSETS_OF[dataset]]
+
+    @functools.cached_property
+    def turn_offsets(self) -> np.ndarray:
+        """Per-sample element offsets (N+1) of the ``turns`` column (two elements per turn)."""
+        counts = self.sections["turn_counts"]
+        out = np.zeros(counts.shape[0] + 1, np.int64)
+        np.cumsum(2 * np.maximum(counts, 0), out=out[1:])
+        return out
 
     def group_bounds(self, dataset: str) -> list[int]:
         """Element offsets (G+1) of a data dataset at group boundaries (computed once; do not modify)."""
@@ -379,7 +390,7 @@ def _bad_groups(
             got = [digested.get((gi, d), 0) for gi in range(g0, g1)]
         else:
             col, base, b = cols[name], bases[name], header.group_bounds(name)
-            data, k = memoryview(col.view(np.uint8)), col.itemsize
+            data, k = memoryview(col.view(np.uint8)), col.itemsize  # type: ignore[arg-type]  # ndarrays are buffers
             got = list(map(zlib.crc32, [data[(b[gi] - base) * k : (b[gi + 1] - base) * k] for gi in range(g0, g1)]))
         if got != expected[d]:
             bad.update(g0 + i for i, (x, y) in enumerate(zip(got, expected[d])) if x != y)
@@ -443,6 +454,8 @@ def _build_samples(
             [header.meta["group_ids"][gi] for gi in groups for _ in range(goff[gi], goff[gi + 1])],
         )
     )
+    if TURNS in cols:
+        _set_turns(header, cols[TURNS], bases[TURNS], samples, ids)
     for tname, spec in header.meta["tensors"].items():
         key = f"tensors/{tname}"
         nd, dtype, tb = int(spec["max_ndim"]), spec["dtype"], bases[key]
@@ -455,6 +468,15 @@ def _build_samples(
                 s.tensors[tname] = buf[toff[i] - tb : toff[i + 1] - tb].reshape(row[1 : 1 + row[0]])
                 s.tensor_dtypes[tname] = dtype
     return samples
+
+
+def _set_turns(header: ShardHeader, col: np.ndarray, base: int, samples: list[Sample], ids: list[int]) -> None:
+    """Each sample's ``[T, 2]`` turn boundaries (views of the column; None for a sample stored without)."""
+    counts = header.sections["turn_counts"].tolist()
+    toff = header.turn_offsets.tolist()
+    for s, i in zip(samples, ids):
+        if counts[i] >= 0:
+            s.turns = col[toff[i] - base : toff[i + 1] - base].reshape(counts[i], 2)
 
 
 def read_shard(path: Path | str, *, verify: bool = True) -> list[Sample]:

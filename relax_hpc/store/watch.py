@@ -49,12 +49,20 @@ class ChangeWatch:
 
 
 def samples_watch(rd: RunDir, *, max_age_s: float = 0.05) -> ChangeWatch:
-    """Changes when a shard is published (by any writer) or a new writer appears."""
+    """Changes when a shard is published (by any writer) or a new writer appears. Where the run dir has the
+    announcement index, two stats a poll (the shards folder and ``samples/announce``, where every publish creates a
+    name), whatever the number of writers; else the shards folder and every writer folder. A shard published
+    without its announcement is seen by the ``max_age_s`` fallback."""
     root = str(rd.shards)
+    announce = str(rd.announce)
     writers: list[str] = []
     root_stamp: list[Stamp] = []
+    indexed: list[bool] = []
 
     def paths() -> list[str]:
+        if indexed or os.path.isdir(announce):
+            indexed[:] = [True]
+            return [root, announce]
         stamp = _stamp(root)
         if [stamp] != root_stamp:  # a writer folder came or went: list them again
             root_stamp[:] = [stamp]

@@ -1,4 +1,5 @@
-"""Publishing shards: validate, write to ``samples/tmp``, fsync, rename into the writer's folder in ``seq`` order.
+"""Publishing shards: validate, write to ``samples/tmp``, fsync, rename into the writer's folder in ``seq`` order,
+then announce the shard (``samples/announce``, :mod:`relax_hpc.store.announce`: a hint for the planner).
 
 With ``background=True`` the fsync and rename of shard ``n`` run on one publisher thread while the caller encodes
 shard ``n+1`` (fsync releases the GIL), still strictly in ``seq`` order. If a publish fails, the shards queued after
@@ -22,6 +23,7 @@ from pathlib import Path
 from relax_hpc.errors import RunDirError
 from relax_hpc.fsio import TMP_PREFIX, fsync_dir
 from relax_hpc.rundir import RunDir
+from relax_hpc.store.announce import announce
 from relax_hpc.store.layout import check_writer_id, list_shards, shard_name
 from relax_hpc.store.sample import SampleGroup
 from relax_hpc.store.shard import encode_shard
@@ -103,6 +105,7 @@ class ShardWriter:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.run_dir.samples_tmp.mkdir(parents=True, exist_ok=True)
+            self.run_dir.announce.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunDirError(f"cannot create shard folder {self.folder}: {describe_oserror(exc)}") from exc
         existing = list_shards(self.run_dir, self.writer_id)
@@ -165,6 +168,7 @@ class ShardWriter:
             raise RunDirError(f"cannot write shard {final}: {describe_oserror(exc)}") from exc
         if self.fsync_dir:
             fsync_dir(self.folder)
+        announce(self.run_dir, self.writer_id, final.name)  # after the publish: a hint for the planner
 
     def _publisher(self) -> None:
         assert self._queue is not None

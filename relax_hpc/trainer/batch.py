@@ -47,12 +47,18 @@ class TrainItem:
     group_id: str = ""
     """Prompt group."""
     weight: float = 1.0
-    """Extra per-sample weight (e.g. staleness re-weighting)."""
+    """Extra per-sample weight of the policy-gradient term."""
+    stale: bool = False
+    """Older than the step's ``max_staleness`` bound but kept (``store.stale_policy: flag``): the trainer clips its
+    ratio around its own current log-probs and corrects by the truncated importance weight against the rollout's."""
     multimodal: dict[str, Any] = field(default_factory=dict)
     """Named model inputs (pixel_values ...) as torch tensors or numpy arrays: such items get a micro-batch of their
     own."""
     token_advantages: np.ndarray | None = None
     """[R] per-token advantages (distillation); overrides ``advantage`` when set."""
+    turns: np.ndarray | None = None
+    """[T, 2] (start, end) of each generated turn in the response (multi-turn samples; the store's ``turns``
+    column), None for single-turn samples."""
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +82,8 @@ class MicroBatch:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     real_tokens: int = 0
     """Tokens of the sequences (the rest of the R x W layout is padding)."""
+    seq_starts: Any = None
+    """[S] flat index (row * W + column) where each sequence begins (3-D positions of VL/Omni models)."""
 
     @property
     def num_tokens(self) -> int:
@@ -201,16 +209,20 @@ def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu", rows: bool
     model_kwargs: dict[str, Any] = {}
     if len(items) == 1 and items[0].multimodal:
         model_kwargs = {k: torch.as_tensor(v).to(device) for k, v in items[0].multimodal.items()}
+    # -- omni-modal: VL/Omni models get per-sample 3-D positions and all samples' media from
+    # -- relax_hpc.models.mrope.packed_inputs (in response_logits); seq_starts tells it where each sample sits.
     return MicroBatch(input_ids=t(ids_t.reshape(n_rows, width)), position_ids=t(pos_t.reshape(n_rows, width)),
                       logit_index=t(logit_index), targets=t(targets), seq_ids=t(seq_ids), rollout_logprobs=t(lp),
                       loss_mask=t(mask), advantages=t(adv), weights=t(w), items=items, model_kwargs=model_kwargs,
-                      real_tokens=sum(lengths))
+                      real_tokens=sum(lengths), seq_starts=start)
 
 
 def pack(items: list[TrainItem], max_tokens: int, *, device: Any = "cpu", rows: bool = True,
-         attn_scale: float = DEFAULT_ATTN_SCALE) -> list[MicroBatch]:
-    """Pack items into micro-batches of at most ``max_tokens`` tokens each (see the module docstring)."""
-    alone = {i for i, it in enumerate(items) if it.multimodal}
+         attn_scale: float = DEFAULT_ATTN_SCALE, pack_multimodal: bool = False) -> list[MicroBatch]:
+    """Pack items into micro-batches of at most ``max_tokens`` tokens each (see the module docstring). Items with
+    media get a micro-batch of their own unless ``pack_multimodal`` (VL/Omni models: their 3-D positions are
+    computed per sample, see :mod:`relax_hpc.models.mrope`)."""
+    alone = set() if pack_multimodal else {i for i, it in enumerate(items) if it.multimodal}
     groups = plan_packs([it.num_tokens for it in items], max_tokens, alone=alone)
     return [build_micro_batch([items[i] for i in g], device=device, rows=rows, attn_scale=attn_scale)
             for g in groups]
@@ -228,10 +240,20 @@ def padding_fraction_padded(lengths: list[int], batch_size: int) -> float:
 
 def response_logits(model: Any, mb: MicroBatch) -> Any:
     """Logits [T, V] that predict each response token of ``mb``."""
+    # -- omni-modal (begin): 3-D positions, packed media and dummy encoder runs of VL/Omni models
+    from relax_hpc.models.mrope import packed_inputs
+
+    position_ids, kwargs = packed_inputs(model, mb)
+    dummy = kwargs.pop("_encoder_dummy", None)
+    input_ids = kwargs.pop("_input_ids", mb.input_ids)
+    # -- omni-modal (end)
     if mb.input_ids.shape[0] == 1:  # one row: compute logits only where needed
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                    logits_to_keep=mb.logit_index, **mb.model_kwargs)
-        return out.logits[0]
-    # several rows: all logits, then gather (rows are only used when that tensor is small)
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mb.model_kwargs)
-    return out.logits.flatten(0, 1)[mb.logit_index]
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                    logits_to_keep=mb.logit_index, **kwargs)
+        logits = out.logits[0]
+        if logits.shape[0] != mb.logit_index.numel():  # omni-modal: Omni thinkers ignore logits_to_keep
+            logits = logits[mb.logit_index]
+    else:  # several rows: all logits, then gather (rows are only used when that tensor is small)
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        logits = out.logits.flatten(0, 1)[mb.logit_index]
+    return logits if dummy is None else logits + dummy.to(logits.dtype)  # omni-modal: every encoder runs

@@ -132,8 +132,9 @@ def save_checkpoint(run_dir: RunDir, step: int, *, model_sd: dict[str, Any] | No
     with staged_dir(final) as tmp:
         save_file(data.model, str(tmp / "model.safetensors"))
         save_file({**data.optim, **data.rng_t}, str(tmp / "optimizer.safetensors"))
+        sums = {name: file_checksum(tmp / name) for name in TENSOR_FILES}
         atomic_write_json(tmp / "state.json", {**state, "step": step, "param_groups": data.groups,
-                                               "rng": data.rng_js, "aliases": data.aliases})
+                                               "rng": data.rng_js, "aliases": data.aliases, "checksums": sums})
     atomic_write_text(run_dir.checkpoints_latest, f"{step}\n")
     _retention(run_dir, keep)
     log.info("checkpoint step %d saved to %s", step, final)
@@ -146,17 +147,77 @@ def _retention(run_dir: RunDir, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def latest_checkpoint(run_dir: RunDir) -> Path | None:
-    """The newest complete checkpoint (LATEST, else a scan), or None."""
+TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
+_CHUNK = 16 << 20
+
+
+def file_checksum(path: Path) -> dict[str, Any]:
+    """``{"bytes", "crc32"}`` of a whole file (read in 16 MiB pieces; zlib's crc32 runs at about 1 GB/s)."""
+    import zlib
+
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def checksum_problem(path: Path, state: dict[str, Any]) -> str | None:
+    """Why the tensor files of checkpoint ``path`` do not match the checksums its ``state.json`` recorded (None:
+    they match, or it recorded none: a checkpoint written before checksums existed)."""
+    sums = state.get("checksums")
+    if not isinstance(sums, dict):
+        return None
+    for name in TENSOR_FILES:
+        want = sums.get(name)
+        if not isinstance(want, dict):
+            continue
+        try:
+            got = file_checksum(path / name)
+        except OSError as exc:
+            return f"{path / name}: {exc.strerror or exc}"
+        if got != want:
+            return f"{path / name}: checksum mismatch ({got['bytes']} bytes, crc32 {got['crc32']}; state.json " \
+                   f"recorded {want.get('bytes')} bytes, crc32 {want.get('crc32')})"
+    return None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be resumed from, or None if it is complete and verified: the
+    marker, a readable ``state.json`` with its keys, both safetensors files whose header parses and whose data
+    covers the file (a truncated file fails here), and their bytes against the crc32 checksums ``state.json``
+    recorded at save time (a flipped bit in a tensor fails here). Reads the tensor files once."""
+    from safetensors import safe_open
+
+    if not is_complete(path):
+        return "not complete (no COMPLETE marker)"
     try:
-        step = int(run_dir.checkpoints_latest.read_text().strip())
-        p = run_dir.checkpoint(step)
-        if is_complete(p):
+        state = read_json(path / "state.json", expect=dict)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    missing = [k for k in ("step", "rng", "param_groups") if k not in state]
+    if missing or not isinstance(state.get("step"), int):
+        return f"{path / 'state.json'} lacks {', '.join(missing) or 'an integer step'}"
+    for name in TENSOR_FILES:
+        try:
+            with safe_open(str(path / name), "pt"):
+                pass
+        except Exception as exc:  # SafetensorError, OSError: a missing, truncated or garbage file
+            return f"{path / name}: {str(exc)[:200]}"
+    return checksum_problem(path, state)
+
+
+def latest_checkpoint(run_dir: RunDir) -> Path | None:
+    """The newest complete and verified checkpoint (a scan of the folders, newest first), or None. A damaged
+    one is skipped with a warning: resuming from an older complete checkpoint beats failing the run."""
+    found = sorted((p for p in run_dir.checkpoints.glob("step_*") if is_complete(p)), reverse=True)
+    for p in found:  # LATEST is only a hint for people; the complete folders are the truth
+        problem = checkpoint_problem(p)
+        if problem is None:
             return p
-    except (OSError, ValueError):
-        pass
-    done = sorted(p for p in run_dir.checkpoints.glob("step_*") if is_complete(p))
-    return done[-1] if done else None
+        log.warning("checkpoint %s is not usable (%s); trying an older one", p, problem)
+    return None
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""Turn a step's samples into train items: reward shaping, dynamic sampling, advantages, staleness weights."""
+"""Turn a step's items into train items: advantages (with DAPO's overlong penalty and dynamic sampling) and the
+step's reward metrics. The advantage pipeline itself is :func:`relax_hpc.algorithms.common.step_advantages`."""
 
 from __future__ import annotations
 
@@ -18,40 +19,35 @@ class Prepared:
 
 
 def prepare_items(items: list[TrainItem], cfg: RecipeConfig, algorithm: Any) -> Prepared:
-    """Apply the overlong penalty, drop zero-variance groups (dynamic sampling), compute advantages.
+    """Set every item's advantage and drop the samples dynamic sampling drops (whole zero-variance groups).
 
-    Advantages are computed over the whole step's groups (a group's samples always travel together).
+    Advantages are computed over the whole step's groups (a group's samples always travel together). ``reward``
+    stays the task's reward (the overlong penalty only enters the advantages).
     """
     from relax_hpc.algorithms import common
 
     a = cfg.algorithm
-    metrics: dict[str, float] = {}
     if not items:
         return Prepared([], {"rollout/num_samples": 0})
-    rewards = np.array([it.reward for it in items], dtype=np.float32)
-    metrics["rollout/reward"] = float(rewards.mean())
-    metrics["rollout/reward_std"] = float(rewards.std())
+    rewards = np.array([it.reward for it in items], dtype=np.float64)
     lengths = np.array([len(it.response_ids) for it in items])
-    metrics["rollout/response_length"] = float(lengths.mean())
-    metrics["rollout/response_length_max"] = float(lengths.max())
-    if a.overlong.enabled:
-        pen = common.overlong_penalty(lengths, cfg.rollout.sampling.max_new_tokens, a.overlong.buffer_tokens,
-                                      a.overlong.penalty)
-        rewards = rewards + pen.astype(np.float32)
-        metrics["rollout/overlong_penalty_mean"] = float(pen.mean())
     groups = np.array([it.group_id for it in items])
-    keep = np.ones(len(items), dtype=bool)
+    max_new = cfg.rollout.sampling.max_new_tokens
+    adv, keep = common.step_advantages(algorithm, rewards, groups, lengths, cfg=a, max_new_tokens=max_new)
+    metrics = {"rollout/reward": float(rewards.mean()), "rollout/reward_std": float(rewards.std()),
+               "rollout/response_length": float(lengths.mean()),
+               "rollout/response_length_max": float(lengths.max()),
+               "rollout/truncated_fraction": float((lengths >= max_new).mean())}
+    if a.overlong.enabled:
+        pen = common.overlong_penalty(lengths, max_new, a.overlong.buffer_tokens, a.overlong.penalty)
+        metrics["rollout/overlong_penalty_mean"] = float(pen.mean())
     if a.dynamic_sampling:
-        keep = common.dynamic_sampling_mask(rewards, groups)
         metrics["rollout/dynamic_sampling_dropped"] = float((~keep).sum())
-    adv = algorithm.sequence_advantages(rewards, groups, a)
     out = []
-    for it, k, ad, r in zip(items, keep, adv, rewards):
-        if not k:
-            continue
-        it.advantage = float(ad)
-        it.reward = float(r)
-        out.append(it)
+    for it, k, ad in zip(items, keep, adv):
+        if k:
+            it.advantage = float(ad)
+            out.append(it)
     metrics["rollout/num_samples"] = float(len(out))
     metrics["rollout/advantage_abs_mean"] = float(np.abs(adv[keep]).mean()) if keep.any() else 0.0
     return Prepared(out, metrics)

@@ -11,21 +11,33 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.events import EventLog
 from relax_hpc.rundir import RunDir
 from relax_hpc.trainer.checkpoint import capture, latest_checkpoint, load_checkpoint, save_checkpoint
 
+if TYPE_CHECKING:
+    from relax_hpc.trainer.backend import TrainerBackend
+
 log = logging.getLogger(__name__)
 
 
-class TrainerSession:
-    """Checkpoint/publish bookkeeping around a :class:`TorchTrainer` (rank 0 writes; all ranks gather)."""
+class MetricSink(Protocol):
+    """Where a step's metrics go besides the event log (TensorBoard, W&B ...): built by the caller."""
 
-    def __init__(self, run_dir: RunDir, cfg: RecipeConfig, trainer: Any, tokenizer: Any, events: EventLog,
-                 *, rank: int = 0):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TrainerSession:
+    """Checkpoint/publish bookkeeping around a :class:`~relax_hpc.trainer.backend.TrainerBackend` (rank 0 writes;
+    all ranks gather). ``sinks`` receive rank 0's metrics too (the session closes them)."""
+
+    def __init__(self, run_dir: RunDir, cfg: RecipeConfig, trainer: TrainerBackend, tokenizer: Any,
+                 events: EventLog, *, rank: int = 0, sinks: MetricSink | None = None):
         from relax_hpc.weights import SnapshotPublisher
 
         self.run_dir = run_dir
@@ -40,14 +52,14 @@ class TrainerSession:
         """The step of the last checkpoint taken (written, or being written in the background)."""
         self._writer: Any = None
         self._pending: tuple[Future[Path], tuple[int, float, Callable[[], None] | None]] | None = None
-        self.sinks = None
-        if rank == 0:
-            from relax_hpc.monitor.sinks import make_sinks
+        self.sinks = sinks if rank == 0 else None
+        from relax_hpc.health import RunHealth
 
-            self.sinks = make_sinks(run_dir, cfg.monitor, events.proc, cfg.model_dump(mode="json"))
+        self.health = RunHealth(cfg, events, emit=rank == 0)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """One step's metrics: the event log (always) and TensorBoard / W&B when the recipe enables them."""
+        metrics.update(self.health.check(metrics, step))  # NaN/inf stops (or is skipped); hopeless runs alert
         if self.rank != 0:
             return
         self.events.metrics(metrics, step=step)
@@ -67,7 +79,7 @@ class TrainerSession:
         if path is None:
             return None
         model_sd, optim_sd, state = load_checkpoint(path)
-        self.trainer.load_full_state(model_sd, optim_sd)
+        self.trainer.load_checkpoint_state(model_sd, optim_sd)
         self.trainer.step = int(state["step"])
         self.version = int(state.get("version", state["step"]))
         self.last_checkpoint_step = self.trainer.step
@@ -83,15 +95,18 @@ class TrainerSession:
         optimizer, RNG) is taken now either way; a background write holds one CPU copy of it."""
         self.drain()
         t0 = time.perf_counter()
-        model_sd = self.trainer.full_state_dict()
-        optim_sd = self.trainer.full_optimizer_state()
+        from relax_hpc.trainer.gpu_checkpoint import capture_on_gpu
+
+        gpu = capture_on_gpu(self.trainer) if background else None  # one GPU: pinned copies on a side stream
+        if gpu is None:
+            model_sd, optim_sd = self.trainer.checkpoint_state()
         step = self.trainer.step
         self.last_checkpoint_step = step
         if self.rank != 0:
             if on_saved is not None:
                 on_saved()
             return
-        data = capture(model_sd, optim_sd, copy=background)
+        data = gpu[0] if gpu is not None else capture(model_sd, optim_sd, copy=background)
         state = {"version": self.version, **extra_state}
         job = (step, t0, on_saved)
         if not background:
@@ -102,8 +117,13 @@ class TrainerSession:
             from concurrent.futures import ThreadPoolExecutor
 
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._pending = (self._writer.submit(save_checkpoint, self.run_dir, step, data=data, state=state,
-                                             keep=self.cfg.trainer.keep_checkpoints), job)
+
+        def write() -> Path:
+            if gpu is not None:
+                gpu[1]()  # the copies into the pinned buffers are done
+            return save_checkpoint(self.run_dir, step, data=data, state=state, keep=self.cfg.trainer.keep_checkpoints)
+
+        self._pending = (self._writer.submit(write), job)
 
     def _saved(self, step: int, t0: float, on_saved: Callable[[], None] | None) -> None:
         self.events.event("checkpoint_saved", f"checkpoint at step {step}", step=step,
@@ -129,12 +149,10 @@ class TrainerSession:
         sd = state_dict if state_dict is not None else self.trainer.full_state_dict()
         if self.rank == 0 and self.publisher is not None:
             version = self.trainer.step
-            from relax_hpc.weights import latest_version
-
-            latest = latest_version(self.run_dir)
-            if latest is None or version > latest:
+            if self.publisher.is_new(version):  # never trips over a version already on disk
                 self.publisher.publish(sd, version=version, step=self.trainer.step,
-                                       model_config=_model_config(self.trainer.model))
+                                       model_config=self.trainer.hf_config(),
+                                       generation_config=self.trainer.generation_config())
         return time.perf_counter() - t0
 
     def export(self) -> None:
@@ -143,22 +161,12 @@ class TrainerSession:
 
         from relax_hpc.fsio import staged_dir
 
-        sd = self.trainer.full_state_dict()
-        if self.rank != 0:
-            return
         final = self.run_dir.export
+        if self.rank != 0:
+            self.trainer.export_hf(final, self.tokenizer)  # a collective: rank 0 writes
+            return
         if final.exists():
             shutil.rmtree(final)
-        model = self.trainer.model
         with staged_dir(final) as tmp:
-            model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
+            self.trainer.export_hf(tmp, self.tokenizer)
         self.events.event("exported", f"final model exported to {final}", step=self.trainer.step, path=str(final))
-
-
-def _model_config(model: Any) -> dict[str, Any] | None:
-    cfg = getattr(model, "config", None)
-    try:
-        return cfg.to_dict() if cfg is not None else None
-    except Exception:
-        return None

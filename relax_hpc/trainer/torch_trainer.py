@@ -1,9 +1,18 @@
 """The ``torch`` trainer backend: an HF causal LM, AdamW, packed micro-batches, FSDP2 over ranks.
 
-One :meth:`TorchTrainer.train_step` = one optimizer update over a step's items: they are packed into micro-batches
-of at most ``trainer.micro_batch_tokens`` tokens (no padding), each micro-batch's loss is already divided by the
-step's global normaliser (tokens or sequences over all micro-batches and ranks), so accumulating gradients over
-micro-batches and averaging over data-parallel ranks equals one big-batch gradient.
+One step (:meth:`TorchBackend.train_step`, or ``begin_step`` / ``accumulate`` ... / ``finish_step`` when groups
+stream in) = one optimizer update over a step's items: they are packed into micro-batches of at most
+``trainer.micro_batch_tokens`` tokens (no padding). The step's global normalisers (masked-in tokens and sequences
+over all micro-batches and ranks) are known only when its last micro-batch arrived, so each micro-batch's loss is
+back-propagated with normaliser 1 and :meth:`TorchBackend.finish_step` divides the summed gradient by the global
+normaliser: gradients are linear in that scale, so the update equals one big batch's. The metrics are then computed
+by the algorithm from each micro-batch's (detached) loss inputs with the true global normalisers, as the
+:class:`~relax_hpc.algorithms.base.LossInputs` contract says, so every metric has its own normaliser (token means
+over tokens whatever ``loss_agg`` is).
+
+Stale samples kept by ``store.stale_policy: flag`` are trained against the trainer's own current log-probs (the
+proximal policy of decoupled PPO) for those samples: the ratio is clipped around the current policy and the truncated
+importance weight ``min(exp(logp_now - logp_rollout), tis_cap)`` corrects for the older policy that sampled them.
 """
 
 from __future__ import annotations
@@ -11,15 +20,30 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.trainer.backend import TrainerBackend
 from relax_hpc.trainer.batch import DEFAULT_ATTN_SCALE, MicroBatch, TrainItem, pack, response_logits
 
 log = logging.getLogger(__name__)
 
+_LOSS = "train/loss"
 
-class TorchTrainer:
+
+def build(cfg: RecipeConfig, *, rank: int, world_size: int, device: str, dtype: Any, algorithm: Any, tokenizer: Any,
+          model: Any = None, ref_model: Any = None, teacher: Any = None) -> TorchBackend:
+    """The factory entry of :func:`relax_hpc.trainer.backend.make_backend` for ``trainer.backend: torch``."""
+    if model is None:
+        from relax_hpc.models.load import load_model
+
+        model = load_model(cfg.model, tokenizer, device=device, dtype=dtype, seed=cfg.seed)
+    return TorchBackend(cfg, model, device=device, dtype=dtype, algorithm=algorithm, ref_model=ref_model,
+                        teacher=teacher, world_size=world_size, rank=rank)
+
+
+class TorchBackend(TrainerBackend):
     """Owns the model being trained, its optimizer, and (optionally) reference and teacher models."""
 
     def __init__(self, cfg: RecipeConfig, model: Any, *, device: str, dtype: Any, algorithm: Any,
@@ -32,6 +56,7 @@ class TorchTrainer:
         self.algorithm = algorithm
         self.world_size = world_size
         self.rank = rank
+        self.dp_rank, self.dp_size = rank, world_size  # FSDP: every rank is a data-parallel replica
         self.model = model
         if world_size > 1:
             self.model = _fully_shard(model)
@@ -45,12 +70,18 @@ class TorchTrainer:
         temp = cfg.rollout.sampling.temperature
         self.temperature = temp if temp > 0 else 1.0
         self.step = 0
+        self._keys: list[str] | None = None
+        self.begin_step()
 
     # ------------------------------------------------------------------ forward
     def sequence_logprobs(self, model: Any, mb: MicroBatch, *, with_entropy: bool = False) -> tuple[Any, Any]:
         """Log-probs of the response tokens [T] (and entropies [T]) under ``model`` at the sampling temperature."""
         import torch
 
+        from relax_hpc.trainer.logprobs import chunked_supported, response_logprobs
+
+        if chunked_supported(model, mb, world_size=self.world_size):  # no [T, V] logits (trainer/logprobs.py)
+            return response_logprobs(model, mb, temperature=self.temperature, with_entropy=with_entropy)
         logits = response_logits(model, mb).float() / self.temperature  # [T, V]
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, mb.targets[:, None])[:, 0]
@@ -60,79 +91,95 @@ class TorchTrainer:
         return logp, ent
 
     # ------------------------------------------------------------------ train
-    def train_step(self, items: list[TrainItem]) -> dict[str, float]:
-        """One optimizer update over ``items`` (this rank's share of the step). Returns metrics."""
-        self.begin_step()
-        self.accumulate(items)
-        return self.finish_step()
-
     def begin_step(self) -> None:
         """Start a step whose micro-batches may arrive over time (micro-batch streaming)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self._sums: dict[str, float] = {}
+        self._inputs: list[Any] = []  # each micro-batch's detached LossInputs: the metrics are computed at the end
         self._n_tok = 0.0
         self._n_seq = 0.0
+        self._n_items = 0
+        self._unit_loss = 0.0
         self._n_mb = 0
         self._tokens = 0
         self._slots = 0
-        self._t0 = time.perf_counter()
         self._compute = 0.0
 
     def accumulate(self, items: list[TrainItem]) -> None:
-        """Forward + backward over ``items`` now (whole groups, advantages set). Losses are left unnormalised
-        (normaliser 1) and the gradient is divided by the step's global normaliser in :meth:`finish_step`, which
-        is only known once the last micro-batch arrived; gradients are linear in that scale, so the update is the
-        same as for one big batch."""
-        import torch
+        """Forward + backward over ``items`` now (whole groups, advantages set), with normaliser 1: the gradient is
+        divided by the step's global normaliser in :meth:`finish_step` (module docstring)."""
+        import dataclasses
 
-        from relax_hpc.algorithms.base import LossInputs
+        from relax_hpc.algorithms.common import count_normalisers
 
         if not items:
             return
         t0 = time.perf_counter()
         cfg = self.cfg
-        a = cfg.algorithm
         hidden = int(getattr(getattr(self.model, "config", None), "hidden_size", 0) or 0)
+        from relax_hpc.models.mrope import MRope  # omni-modal: VL/Omni samples pack together (3-D positions)
+
         mbs = pack(items, cfg.trainer.micro_batch_tokens, device=self.device, rows=self._use_rows(items),
-                   attn_scale=6.0 * hidden if hidden else DEFAULT_ATTN_SCALE)
-        olds: list[Any] = []
-        if a.proximal:  # decoupled PPO: the proximal policy is the trainer's own policy before this update
-            with torch.no_grad():
-                olds = [self.sequence_logprobs(self.model, mb)[0] for mb in mbs]
-        refs = self._aux_logprobs(self.ref_model, mbs) if a.kl_coef > 0 and self.ref_model is not None else None
+                   attn_scale=6.0 * hidden if hidden else DEFAULT_ATTN_SCALE,
+                   pack_multimodal=MRope.of(self.model) is not None)
+        olds = self._old_logprobs(mbs)
+        refs = self._aux_logprobs(self.ref_model, mbs) if cfg.algorithm.kl_coef > 0 and self.ref_model else None
         teach = self._aux_logprobs(self.teacher, mbs) if self.teacher is not None else None
         for k, mb in enumerate(mbs):
-            logp, ent = self.sequence_logprobs(self.model, mb, with_entropy=True)
-            x = LossInputs(
-                logprobs=logp, old_logprobs=olds[k] if olds else mb.rollout_logprobs,
-                rollout_logprobs=mb.rollout_logprobs, advantages=mb.advantages, loss_mask=mb.loss_mask,
-                seq_ids=mb.seq_ids, num_seqs=len(mb.items), global_num_tokens=1.0, global_num_seqs=1.0,
-                max_response_tokens=cfg.rollout.sampling.max_new_tokens, entropy=ent,
-                ref_logprobs=refs[k] if refs else None, teacher_logprobs=teach[k] if teach else None,
-                sample_weights=mb.weights,
-            )
-            loss, m = self.algorithm.loss(x, a)
+            x = self._loss_inputs(mb, olds[k], refs[k] if refs else None, teach[k] if teach else None)
+            loss, _ = self.algorithm.loss(x, cfg.algorithm)
             loss.backward()
-            self._sums["train/loss"] = self._sums.get("train/loss", 0.0) + float(loss.detach())
-            for name, v in m.items():
-                self._sums[name] = self._sums.get(name, 0.0) + float(v)
-            self._n_tok += float(mb.loss_mask.sum())
+            self._unit_loss += float(loss.detach())
+            self._inputs.append(dataclasses.replace(x, logprobs=x.logprobs.detach(),
+                                                    entropy=None if x.entropy is None else x.entropy.detach()))
+            n_tok, n_seq = count_normalisers(mb.loss_mask, mb.seq_ids, len(mb.items))
+            self._n_tok += n_tok
+            self._n_seq += n_seq
             self._tokens += mb.real_tokens
             self._slots += mb.num_tokens
-        self._n_seq += float(len(items))
+        self._n_items += len(items)
         self._n_mb += len(mbs)
         self._compute += time.perf_counter() - t0
+
+    def _loss_inputs(self, mb: MicroBatch, old: Any, ref: Any, teacher: Any) -> Any:
+        """The algorithm's inputs of one micro-batch, with the deferred normalisers (1)."""
+        from relax_hpc.algorithms.base import LossInputs
+
+        logp, ent = self.sequence_logprobs(self.model, mb, with_entropy=True)
+        return LossInputs(
+            logprobs=logp, old_logprobs=mb.rollout_logprobs if old is None else old,
+            rollout_logprobs=mb.rollout_logprobs, advantages=mb.advantages, loss_mask=mb.loss_mask,
+            seq_ids=mb.seq_ids, num_seqs=len(mb.items), global_num_tokens=1.0, global_num_seqs=1.0,
+            max_response_tokens=self.cfg.rollout.sampling.max_new_tokens, entropy=ent, ref_logprobs=ref,
+            teacher_logprobs=teacher, sample_weights=mb.weights,
+        )
+
+    def _old_logprobs(self, mbs: list[MicroBatch]) -> list[Any]:
+        """Per micro-batch, the log-probs the ratio is taken against, or None for the rollout's: the trainer's own
+        (proximal) ones for every token with ``algorithm.proximal``, else for the tokens of stale samples."""
+        import torch
+
+        out: list[Any] = []
+        for mb in mbs:
+            stale = [it.stale for it in mb.items]
+            if not self.cfg.algorithm.proximal and not any(stale):
+                out.append(None)
+                continue
+            with torch.no_grad():
+                prox = self.sequence_logprobs(self.model, mb)[0]
+            if not self.cfg.algorithm.proximal:
+                per_token = torch.tensor(stale, device=prox.device)[mb.seq_ids]
+                prox = torch.where(per_token, prox, mb.rollout_logprobs)
+            out.append(prox)
+        return out
 
     def finish_step(self) -> dict[str, float]:
         """Divide gradients by the global normaliser (all ranks), clip, step the optimizer. Returns metrics."""
         import torch
 
         t0 = time.perf_counter()
-        sums, n_tok, n_seq = dict(self._sums), self._n_tok, self._n_seq
-        if self.world_size > 1:
-            sums["__n_tok"], sums["__n_seq"] = n_tok, n_seq
-            sums = _all_reduce_dict(sums, self.device)
-            n_tok, n_seq = sums.pop("__n_tok"), sums.pop("__n_seq")
+        n_tok, n_seq, n_items, unit_loss = self._n_tok, self._n_seq, float(self._n_items), self._unit_loss
+        n = self._all_reduce({"tok": n_tok, "seq": n_seq, "items": n_items, "loss": unit_loss})
+        n_tok, n_seq, n_items, unit_loss = n["tok"], n["seq"], n["items"], n["loss"]
         divisor = max(n_tok if self.cfg.algorithm.loss_agg == "token_mean" else n_seq, 1.0)
         # FSDP averages gradients over ranks; the step's gradient is their SUM divided by the global normaliser.
         scale = self.world_size / divisor
@@ -152,16 +199,63 @@ class TorchTrainer:
             log.warning("non-finite gradient norm at step %d: update skipped", self.step)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        metrics = {k: v / divisor for k, v in sums.items()}
+        metrics = self._step_metrics(n_tok, n_seq)
+        _check_one_normaliser(self.algorithm, metrics[_LOSS], unit_loss / divisor)
         metrics.update({"train/grad_norm": grad_norm_f, "train/lr": lr, "train/num_micro_batches": float(self._n_mb),
                         "train/tokens": float(self._tokens),
                         "train/padding_fraction": 1.0 - self._tokens / self._slots if self._slots else 0.0,
                         "perf/train_time": self._compute + time.perf_counter() - t0,
-                        "train/samples": n_seq})
+                        "train/samples": n_items})
+        self._inputs = []
         return metrics
 
+    def _step_metrics(self, n_tok: float, n_seq: float) -> dict[str, float]:
+        """The algorithm's metrics of the whole step: each micro-batch's loss inputs again, now with the global
+        normalisers, summed over micro-batches and ranks (the loss too, as ``train/loss``)."""
+        import dataclasses
+
+        import torch
+
+        sums: dict[str, float] = {}
+        with torch.no_grad():
+            for x in self._inputs:
+                loss, m = self.algorithm.loss(dataclasses.replace(x, global_num_tokens=n_tok, global_num_seqs=n_seq),
+                                              self.cfg.algorithm)
+                for name, v in ((_LOSS, loss), *m.items()):
+                    sums[name] = sums.get(name, 0.0) + float(v)
+        # every key, also for a step without items (a rank without data, a plan whose groups were all dropped)
+        return self._all_reduce(_with_keys(sums, self._metric_keys()))
+
+    def _all_reduce(self, d: dict[str, float]) -> dict[str, float]:
+        """``d`` summed over the data-parallel replicas (every rank one here)."""
+        return _all_reduce_dict(d, self.device) if self.world_size > 1 else d
+
+    def _metric_keys(self) -> list[str]:
+        """The algorithm's metric names (every rank the same, even one without items this step)."""
+        import torch
+
+        from relax_hpc.algorithms.base import LossInputs
+
+        if self._keys is not None:
+            return self._keys
+
+        z = torch.zeros(1)
+        x = LossInputs(logprobs=z, old_logprobs=z, rollout_logprobs=z, advantages=z, loss_mask=torch.ones(1),
+                       seq_ids=torch.zeros(1, dtype=torch.long), num_seqs=1, global_num_tokens=1.0,
+                       global_num_seqs=1.0, max_response_tokens=1, entropy=z,
+                       ref_logprobs=z if self.cfg.algorithm.kl_coef > 0 and self.ref_model is not None else None,
+                       teacher_logprobs=z if self.teacher is not None else None, sample_weights=torch.ones(1))
+        with torch.no_grad():
+            self._keys = [_LOSS, *self.algorithm.loss(x, self.cfg.algorithm)[1]]
+        return self._keys
+
     def _use_rows(self, items: list[TrainItem]) -> bool:
-        """Several short rows when the full-logits tensor of a micro-batch stays small (small vocabularies)."""
+        """Several short rows when the full-logits tensor of a micro-batch stays small (small vocabularies) or is
+        never built (trainer/logprobs.py): attention then stays within rows, whatever the kernel."""
+        from relax_hpc.trainer.logprobs import model_supported
+
+        if model_supported(self.model, world_size=self.world_size):
+            return True
         vocab = int(getattr(getattr(self.model, "config", None), "vocab_size", 1 << 20))
         return vocab * self.cfg.trainer.micro_batch_tokens <= (1 << 26)
 
@@ -177,19 +271,82 @@ class TorchTrainer:
             return t.lr * (self.step + 1) / t.warmup_steps
         return t.lr
 
-    # ------------------------------------------------------------------ state
-    def full_state_dict(self) -> dict[str, Any]:
-        """Unsharded model weights on the CPU (every rank must call this under FSDP; rank 0 gets the tensors).
+    def sft_warmup(self, prompts: Any, tokenizer: Any, *, steps: int, lr: float, batch_size: int,
+                   max_tokens: int) -> dict[str, float]:
+        from relax_hpc.trainer.sft import run_warmup
 
-        Without FSDP the CPU tensors are the live parameters (no copy: copy them before the next optimizer step if
-        they must not change); ``torch.distributed.checkpoint``'s generic path costs ~4 ms per call even for a tiny
-        model, paid on every weight hand-over."""
+        return run_warmup(self.model, tokenizer, prompts, steps=steps, lr=lr, batch_size=batch_size,
+                          max_tokens=max_tokens, device=self.device)
+
+    # ------------------------------------------------------------------ weights out
+    def full_state_dict(self, *, copy: bool = False) -> dict[str, Any]:
+        """Unsharded model weights on the CPU under HF names (every rank must call this under FSDP; rank 0 gets
+        the tensors). Without FSDP and on the CPU the tensors are the live parameters unless ``copy``;
+        ``torch.distributed.checkpoint``'s generic path costs ~4 ms per call even for a tiny model, paid on every
+        weight hand-over, so one rank takes the plain state dict."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.world_size == 1:
-            return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-
+            sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            return self.detached(sd) if copy else sd
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def state_buckets(self, bucket_bytes: int) -> Any:
+        """Buckets of whole tensors; under FSDP one parameter is gathered at a time (every rank), so no rank holds
+        more than a bucket of the full model beside its shard."""
+        if self.world_size == 1:
+            yield from super().state_buckets(bucket_bytes)
+            return
+        bucket: dict[str, Any] = {}
+        size = 0
+        for name, t in self.model.state_dict().items():
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            n = full.numel() * full.element_size()
+            if size and size + n > bucket_bytes:  # by size, so every rank yields as many buckets
+                yield bucket
+                bucket, size = {}, 0
+            if self.rank == 0:
+                bucket[name] = full.detach().cpu()
+            size += n
+        if size:
+            yield bucket
+
+    def detached(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with the tensors that are live (unsharded) parameter storage copied, the rest as given."""
+        import contextlib
+
+        live = set()
+        for p in self.model.parameters():
+            with contextlib.suppress(RuntimeError):  # sharded parameters have no plain storage
+                live.add(p.untyped_storage().data_ptr())
+        return {k: v.detach().clone() if v.untyped_storage().data_ptr() in live else v for k, v in state_dict.items()}
+
+    def hf_config(self) -> dict[str, Any]:
+        return dict(self.model.config.to_dict())
+
+    def generation_config(self) -> dict[str, Any] | None:
+        gen = getattr(self.model, "generation_config", None)
+        return None if gen is None else dict(gen.to_dict())
+
+    def generation_model(self) -> Any:
+        return self.model
+
+    def export_hf(self, path: Path | str, tokenizer: Any) -> None:
+        sd = self.full_state_dict()
+        if self.rank != 0:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path, state_dict=sd, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.full_state_dict(), self.full_optimizer_state()
+
+    def load_checkpoint_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
+        self.load_full_state(model_sd, optim_sd)
 
     def full_optimizer_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -208,6 +365,23 @@ class TorchTrainer:
         set_model_state_dict(self.model, model_sd, options=opts)
         if optim_sd is not None:
             set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
+
+
+TorchTrainer = TorchBackend
+"""The round-1 name of :class:`TorchBackend`."""
+
+
+def _check_one_normaliser(algorithm: Any, loss: float, deferred: float) -> None:
+    """The deferred normalisation (normaliser 1, the gradient divided afterwards) is exact only for a loss whose
+    every term is divided by the ``loss_agg`` normaliser; an algorithm that mixes in another one is refused."""
+    if math.isfinite(loss) and abs(loss - deferred) > 1e-4 * max(1.0, abs(loss)):
+        raise ValueError(f"algorithm {getattr(algorithm, 'name', algorithm)!r}: its loss divides terms by more than "
+                         f"one normaliser ({loss} with the step's normalisers, {deferred} by deferred scaling); "
+                         "every loss term must use common.aggregate with cfg.loss_agg")
+
+
+def _with_keys(d: dict[str, float], keys: list[str]) -> dict[str, float]:
+    return {**{k: 0.0 for k in keys}, **d}
 
 
 def _fully_shard(model: Any) -> Any:

@@ -29,12 +29,31 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from relax_hpc.errors import RelaxError
 from relax_hpc.rundir import RunDir
 
 log = logging.getLogger(__name__)
+
+
+class WeightLinks(Protocol):
+    """The trainer's side of a weight fast path (:class:`FastPathServer` to in-process workers,
+    :class:`relax_hpc.weights.server_links.ServerLinks` to rollout servers)."""
+
+    def update(self, version: int, state_dict: Mapping[str, Any]) -> PackedWeights:
+        """Hand over ``version``; returns its packed copy (whose ``views()`` may go to the snapshot files)."""
+        ...
+
+    def all_linked(self) -> bool:
+        """Whether every worker takes new weights over the fast path now (else its files must be written)."""
+        ...
+
+    def latest(self) -> tuple[int, PackedWeights] | None:
+        """The newest version handed over and its packed copy."""
+        ...
+
+    def close(self) -> None: ...
 
 
 def link_name(worker: int) -> str:
@@ -145,6 +164,22 @@ class FastPathServer:
         """Whether every worker this server knows of (configured or seen later) has its link formed now."""
         return all(self._linked.get(k, False) for k in list(self._served))
 
+    def latest(self) -> tuple[int, PackedWeights] | None:
+        """The newest version handed over and its packed copy (None before the first)."""
+        with self._cond:
+            return self._latest
+
+    def _worker_pid(self, worker: int) -> int | None:
+        """The pid in the worker's heartbeat (None if there is none or it does not read)."""
+        from relax_hpc.fsio import read_json
+
+        try:
+            hb = read_json(self.run_dir.heartbeat(f"rollout-{worker}"), default=None)
+        except (OSError, ValueError):
+            return None
+        pid = hb.get("pid") if isinstance(hb, dict) else None
+        return pid if isinstance(pid, int) else None
+
     def update(self, version: int, state_dict: Mapping[str, Any]) -> PackedWeights:
         """Hand over the weights of ``version`` (packed into buckets: a copy, so the trainer may keep training).
         Returns the packed copy (its :meth:`~PackedWeights.views` may be written to the snapshot files)."""
@@ -188,12 +223,20 @@ class FastPathServer:
                 group.close()
 
     def _push(self, worker: int, group: Any) -> None:
-        """gloo: announce and send every new version as soon as it is handed over (the newest at that time)."""
+        """gloo: announce and send every new version as soon as it is handed over (the newest at that time). A
+        link idle between versions learns that its worker was restarted (a new pid in its heartbeat: the old
+        process died without closing the link) and closes, so the link forms again and the files serve meanwhile."""
         sent = -1
+        pid = self._worker_pid(worker)
         while not self._stop.is_set():
             with self._cond:
                 while not self._stop.is_set() and (self._latest is None or self._latest[0] <= sent):
                     self._cond.wait(timeout=1.0)
+                    now = self._worker_pid(worker)
+                    if pid is None:
+                        pid = now
+                    elif now is not None and now != pid:
+                        raise ConnectionError(f"rollout-{worker} restarted (pid {pid} -> {now})")
                 latest = self._latest
             if self._stop.is_set() or latest is None:
                 return

@@ -17,6 +17,7 @@ place, so it always names a complete snapshot.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 from relax_hpc.errors import SnapshotError
 from relax_hpc.fsio import atomic_write_json, is_complete, read_json
 from relax_hpc.rundir import RunDir
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "relax-hpc-weights"
@@ -64,7 +67,12 @@ def read_latest(rd: RunDir) -> dict[str, Any] | None:
 def latest_version(run_dir: RunDir | Path | str) -> int | None:
     """The newest complete snapshot's version, from one small read of ``weights/LATEST`` (None if none yet)."""
     rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    rec = read_latest(rd)
+    try:
+        rec = read_latest(rd)
+    except SnapshotError as exc:  # a damaged LATEST: the folders on disk are the truth (newest complete one)
+        versions = complete_versions(rd)
+        log.warning("%s; using the newest complete snapshot on disk (%s)", exc, versions[-1] if versions else None)
+        return versions[-1] if versions else None
     return None if rec is None else int(rec["version"])
 
 

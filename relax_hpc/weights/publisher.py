@@ -11,6 +11,12 @@ tensors), writes the manifest and ``COMPLETE``, renames the folder into place an
 whole tensor under its full name, or a :class:`Shard` (a slice of the full tensor along one dim); readers always see
 full tensors under full names.
 
+Every complete snapshot published with a ``model_config`` is also an HF model folder (:func:`write_hf_files`):
+``config.json``, ``generation_config.json``, whole tensors under their HF names in ``model.safetensors`` (one file)
+or ``model-0000K-of-0000N.safetensors`` with ``model.safetensors.index.json`` (several), so
+``AutoModelForCausalLM.from_pretrained(snapshot_dir)`` works and server engines reload from it. A multi-rank snapshot
+with sharded pieces has no index (its tensors are not whole in any file); readers of this package still load it.
+
 A publish killed at any point leaves only ``.tmp-`` debris (removed after ``debris_after_s``) and LATEST naming the
 previous complete version.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -32,9 +39,11 @@ from relax_hpc.errors import RunDirError, SnapshotError, WaitTimeout
 from relax_hpc.fsio import (
     COMPLETE_MARKER,
     _describe_oserror,
+    atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
     fsync_dir,
+    is_complete,
     read_json,
     remove_debris,
     staged_dir,
@@ -112,9 +121,18 @@ class SnapshotPublisher:
         versions = complete_versions(self.rd)
         return max([latest_version(self.rd) or 0, *versions]) + 1
 
+    def is_new(self, version: int) -> bool:
+        """True if ``version`` is newer than LATEST and than every complete snapshot on disk (LATEST may lag a
+        folder published just before a kill, or be damaged): a resumed trainer publishes only such versions."""
+        versions = complete_versions(self.rd)
+        latest = latest_version(self.rd)
+        return version > max(-1 if latest is None else latest, versions[-1] if versions else -1)
+
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, step: int,
-                model_config: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None) -> Path:
-        """Publish a full state dict as snapshot ``version``; returns its folder once LATEST names it."""
+                model_config: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                generation_config: Mapping[str, Any] | None = None) -> Path:
+        """Publish a full state dict as snapshot ``version``; returns its folder once LATEST names it. With
+        ``model_config`` (the HF ``config.json`` content) the folder is also an HF model folder."""
         self._check_version(version)
         items = self._items(state_dict)
         t0 = time.monotonic()
@@ -122,13 +140,15 @@ class SnapshotPublisher:
         with staged_dir(final, marker_content=str(version)) as tmp:
             files, tensors = self._write(tmp, items, rank=0, world_size=1, shards={})
             manifest = self._manifest(version, step, files, tensors, 1, model_config, extra)
+            manifest["hf_files"] = write_hf_files(tmp, manifest, generation_config)
             atomic_write_json(tmp / MANIFEST, manifest, fsync=False)
         self._finish(version, step, manifest, t0)
         return final
 
     def publish_part(self, tensors: Mapping[str, torch.Tensor], *, version: int, step: int, rank: int,
                      world_size: int, shards: Mapping[str, Shard] | None = None, token: str | None = None,
-                     model_config: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+                     model_config: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                     generation_config: Mapping[str, Any] | None = None) -> Path:
         """Write this rank's part of snapshot ``version``; rank 0 also waits for all parts and commits.
 
         ``tensors`` maps full tensor names to whole tensors, or, for names in ``shards``, to this rank's slice.
@@ -161,6 +181,7 @@ class SnapshotPublisher:
         parts = self._wait_parts(staging, version, world_size, token)
         files, index = self._merge(parts)
         manifest = self._manifest(version, step, files, index, world_size, model_config, extra)
+        manifest["hf_files"] = write_hf_files(staging, manifest, generation_config, fsync=True)
         self._commit(staging, version, manifest)
         self._finish(version, step, manifest, t0)
         return self.rd.snapshot(version)
@@ -192,8 +213,12 @@ class SnapshotPublisher:
         if latest is not None and version <= latest:
             raise SnapshotError(f"version {version} is not newer than LATEST ({latest}) in {self.rd.weights}; "
                                 f"publish {self.next_version()} or above")
-        if self.rd.snapshot(version).exists():
-            raise SnapshotError(f"{self.rd.snapshot(version)} already exists")
+        folder = self.rd.snapshot(version)
+        if folder.exists() and not is_complete(folder):  # debris of a killed writer or a half-done deletion
+            log.warning("removing incomplete snapshot folder %s before publishing version %d", folder, version)
+            shutil.rmtree(folder, ignore_errors=True)
+        if folder.exists():
+            raise SnapshotError(f"{folder} already exists")
 
     @staticmethod
     def _items(state_dict: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -231,13 +256,15 @@ class SnapshotPublisher:
         keyed = [(f"{k}#shard{rank}" if k in shards else k, t) for k, t in items]
         groups = self._split(keyed)
         prefix = "model-" if world_size == 1 else f"model-rank{rank:05d}-"
+        single = world_size == 1 and len(groups) == 1  # HF's name for a model in one file
         files: list[dict[str, Any]] = []
         streams: list[int] = []
         # sha256 runs on one thread and fsync on another while the next file is written; all three release the GIL.
         with HashPipeline() as hasher, ThreadPoolExecutor(1, thread_name_prefix="fsync") as flusher:
             synced = []
             for i, group in enumerate(groups):
-                path = folder / f"{prefix}{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                path = folder / ("model.safetensors" if single else
+                                 f"{prefix}{i + 1:05d}-of-{len(groups):05d}.safetensors")
                 tmp = tmp_name(path)
                 try:
                     nbytes, stream = write_file(tmp, group, hasher, {"format": "pt"})
@@ -373,6 +400,53 @@ class SnapshotPublisher:
                 raise WaitTimeout(f"timed out after {timeout_s:.0f}s waiting for snapshot retention in "
                                   f"{self.rd.weights}")
             self._housekeeping = None
+
+
+HF_INDEX = "model.safetensors.index.json"
+
+
+def write_hf_files(folder: Path, manifest: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None,
+                   *, fsync: bool = False) -> list[dict[str, Any]]:
+    """Make a snapshot folder an HF model folder: ``config.json`` (the manifest's ``model_config``),
+    ``generation_config.json`` (given, or the token ids of the config as ``transformers`` derives it) and, when the
+    tensors lie in several files, ``model.safetensors.index.json``. Nothing without a model config, and no index
+    when a tensor is sharded over files. Returns their manifest entries (name, bytes, sha256)."""
+    import hashlib
+    import json
+
+    config = manifest.get("model_config") or {}
+    if not config:
+        return []
+    docs: dict[str, Any] = {"config.json": dict(config)}
+    if generation_config is None:
+        generation_config = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                             if config.get(k) is not None}
+        generation_config["_from_model_config"] = True
+    docs["generation_config.json"] = dict(generation_config)
+    tensors = manifest["tensors"]
+    whole = all(len(e["pieces"]) == 1 and "dim" not in e["pieces"][0] and e["pieces"][0]["key"] == name
+                for name, e in tensors.items())
+    if whole and len(manifest["files"]) > 1:
+        docs[HF_INDEX] = {"metadata": {"total_size": _tensor_bytes(tensors)},
+                          "weight_map": {name: e["pieces"][0]["file"] for name, e in sorted(tensors.items())}}
+    entries = []
+    for name, doc in docs.items():
+        data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+        atomic_write_bytes(folder / name, data, fsync=fsync)
+        entries.append({"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    return entries
+
+
+def _tensor_bytes(tensors: Mapping[str, Any]) -> int:
+    from relax_hpc.weights.format import torch_dtype
+
+    total = 0
+    for entry in tensors.values():
+        n = 1
+        for d in entry["shape"]:
+            n *= int(d)
+        total += n * torch_dtype(entry["dtype"]).itemsize
+    return total
 
 
 def _fsync(path: Path) -> None:

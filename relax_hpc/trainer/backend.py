@@ -1,0 +1,149 @@
+"""The trainer backend seam: what the trainer-side loops (modes/) and the session need from a learner.
+
+A backend owns the model being trained, its optimizer and its parallel layout. One optimizer step is
+``begin_step()``, any number of ``accumulate(items)`` (forward + backward at once, whole groups with their advantages
+set; micro-batch streaming calls it as groups arrive), then ``finish_step()``, which alone knows the step's global
+loss normalisers (tokens or sequences over every micro-batch of every data-parallel rank): it scales the gradient,
+steps the optimizer and returns the metrics. ``dp_rank``/``dp_size`` is the data-parallel layout the sample store's
+consumer splits groups by; with tensor or pipeline parallelism it differs from the process rank and world size
+(ranks of one model replica read the same groups).
+
+Weights leave a backend only under HF names (the keys ``from_pretrained`` expects), as whole tensors on the CPU:
+:meth:`TrainerBackend.full_state_dict` for snapshots and the fast path, :meth:`TrainerBackend.state_buckets` to
+stream them in bounded pieces, :meth:`TrainerBackend.export_hf` for the final model.
+
+A new backend plugs in as one module (or package) with a class implementing this ABC and a ``build(cfg, **kw)``
+function, a ``trainer.backend`` value in the schema (and its own config section), and one entry in
+:data:`BACKENDS`; the conformance suite ``tests/backend_conformance.py`` checks it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from relax_hpc.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from relax_hpc.config.schema import RecipeConfig
+    from relax_hpc.trainer.batch import TrainItem
+
+
+class TrainerBackend(ABC):
+    """A learner: optimizer steps over train items, its weights under HF names, checkpoint state and HF export."""
+
+    step: int
+    """Optimizer steps done (= the policy version of the current weights)."""
+    rank: int
+    """This process's rank among the trainer's processes."""
+    world_size: int
+    """The trainer's processes."""
+    dp_rank: int
+    """This process's data-parallel rank: the store consumer hands it that part of each step's groups."""
+    dp_size: int
+    """Data-parallel replicas (world_size / model-parallel size)."""
+    state_on_every_rank: bool = False
+    """Set by a mode whose every trainer rank needs the whole model (colocate with an engine that does not share the
+    trainer's module): :meth:`full_state_dict` then returns it on every rank, not only on rank 0."""
+
+    # ------------------------------------------------------------------ training
+    @abstractmethod
+    def begin_step(self) -> None:
+        """Start an optimizer step (gradients zeroed, step sums reset)."""
+
+    @abstractmethod
+    def accumulate(self, items: list[TrainItem]) -> None:
+        """Forward + backward over ``items`` now: whole groups, advantages set (this rank's share)."""
+
+    @abstractmethod
+    def finish_step(self) -> dict[str, float]:
+        """Apply the step's global normalisers (all micro-batches, all ranks), clip, step the optimizer; the metrics
+        of the whole step (the same on every rank). ``step`` grows by one."""
+
+    def train_step(self, items: list[TrainItem]) -> dict[str, float]:
+        """``begin_step`` + ``accumulate(items)`` + ``finish_step``."""
+        self.begin_step()
+        self.accumulate(items)
+        return self.finish_step()
+
+    # ------------------------------------------------------------------ weights out
+    @abstractmethod
+    def full_state_dict(self, *, copy: bool = False) -> dict[str, Tensor]:
+        """The whole model under HF names, CPU tensors (every rank calls; rank 0 gets them, others may get ``{}``).
+        ``copy=False`` may return the live parameters (valid until the next optimizer step); ``copy=True`` returns
+        tensors nothing changes later."""
+
+    def state_buckets(self, bucket_bytes: int) -> Iterator[dict[str, Tensor]]:
+        """The whole model under HF names in buckets of about ``bucket_bytes`` (a tensor larger than that is a bucket
+        of its own). Every rank iterates; rank 0 gets the tensors, the others empty buckets. Tensors are valid until
+        the next optimizer step."""
+        bucket: dict[str, Tensor] = {}
+        size = 0
+        for name, t in self.full_state_dict().items():
+            n = t.numel() * t.element_size()
+            if bucket and size + n > bucket_bytes:
+                yield bucket
+                bucket, size = {}, 0
+            bucket[name] = t
+            size += n
+        if bucket:
+            yield bucket
+
+    def detached(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``state_dict`` with every tensor that is live weight storage copied (no collective; any rank)."""
+        return {k: v.detach().clone() for k, v in state_dict.items()}
+
+    @abstractmethod
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` content of the model (snapshots and the export)."""
+
+    def generation_config(self) -> dict[str, Any] | None:
+        """The ``generation_config.json`` content, if the model has one (None: derived from the config)."""
+        return None
+
+    def generation_model(self) -> Any | None:
+        """The live module an in-process engine may generate with (colocate shares it); None if there is none."""
+        return None
+
+    @abstractmethod
+    def export_hf(self, path: Path | str, tokenizer: Any) -> None:
+        """Write the model as an HF folder (safetensors, config, generation config, tokenizer) to ``path``, which is
+        created; every rank calls, rank 0 writes. ``from_pretrained(path)`` then gives the same logits."""
+
+    # ------------------------------------------------------------------ checkpoints
+    @abstractmethod
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(model, optimizer) state for :mod:`relax_hpc.trainer.checkpoint` (every rank calls; rank 0 gets them)."""
+
+    @abstractmethod
+    def load_checkpoint_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
+        """Restore what :meth:`checkpoint_state` gave (bitwise: continued training is identical)."""
+
+    # ------------------------------------------------------------------ optional
+    def sft_warmup(self, prompts: Any, tokenizer: Any, *, steps: int, lr: float, batch_size: int,
+                   max_tokens: int) -> dict[str, float]:
+        """Supervised warm-up steps on the (prompt, answer) pairs of ``prompts`` before RL; returns metrics."""
+        raise UserError(f"trainer backend {type(self).__name__} has no supervised warm-up (set warmup.steps: 0)")
+
+
+BACKENDS: dict[str, str] = {
+    "torch": "relax_hpc.trainer.torch_trainer",
+    "megatron": "relax_hpc.trainer.megatron.backend",
+}
+"""``trainer.backend`` -> the module whose ``build(cfg, **kwargs)`` makes the backend."""
+
+
+def make_backend(cfg: RecipeConfig, *, rank: int, world_size: int, device: str, dtype: Any, algorithm: Any,
+                 tokenizer: Any, model: Any = None, ref_model: Any = None, teacher: Any = None) -> TrainerBackend:
+    """The backend ``cfg.trainer.backend`` names (the one place that dispatches on it). ``model``: an already
+    built policy module the backend may train (the torch backend needs one); ``ref_model``/``teacher``: the KL
+    reference and the distillation teacher, when the recipe uses them."""
+    name = cfg.trainer.backend
+    module = importlib.import_module(BACKENDS[name])
+    return module.build(cfg, rank=rank, world_size=world_size, device=device, dtype=dtype, algorithm=algorithm,
+                        tokenizer=tokenizer, model=model, ref_model=ref_model, teacher=teacher)

@@ -1,0 +1,1 @@
+"""The megatron-core trainer backend (tensor/pipeline/data parallelism). Importing this package imports no megatron."""

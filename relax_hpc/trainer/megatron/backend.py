@@ -1,0 +1,511 @@
+"""The ``megatron`` trainer backend: megatron-core's ``GPTModel`` (local layer spec) with tensor and data parallelism.
+
+The model is built from the HF config (:func:`relax_hpc.trainer.megatron.config.model_args`: Qwen3 with QK-norm,
+Qwen2/2.5 with QKV biases, GQA, tied or untied embeddings) and its weights come from the HF model through
+:mod:`relax_hpc.trainer.megatron.mapping` (this rank's tensor-parallel shard). Micro-batches are packed sequences in
+THD layout (:class:`~relax_hpc.trainer.megatron.layers.PackedCoreAttention`); log-probs and entropies are computed
+from the vocabulary-parallel logits (:func:`~relax_hpc.trainer.megatron.layers.vocab_parallel_logprobs`), then the
+algorithm's loss is the torch backend's code path (this class extends
+:class:`~relax_hpc.trainer.torch_trainer.TorchBackend`: packing, old/reference log-probs, deferred normalisers,
+metrics). Gradients live in megatron's ``DistributedDataParallel`` buffers (float32) and are summed over the
+data-parallel replicas by ``finalize_model_grads`` (which also sums the QK-norm gradients over TP); the step divides
+them by the global normaliser (tokens or sequences of every micro-batch of every data-parallel replica), clips by
+the norm over the unique parameters (all-reduced over TP), and steps AdamW.
+
+Choices forced by megatron-core 0.16.1 (the newest for Python 3.11), each to revisit on the GPU:
+
+- Optimizer: megatron's optimizers (the distributed one too) allocate CUDA tensors in their constructors, so the
+  backend steps ``torch.optim.AdamW`` over the DDP float32 gradient buffers; the optimizer state is replicated over
+  the data-parallel replicas (``trainer.megatron.distributed_optimizer`` is not applied yet; one warning says so).
+- Pipeline parallelism: megatron's pipeline schedule needs CUDA; ``pp > 1`` is refused when the backend is built.
+- Checkpoints: the project's checkpoint format (``relax_hpc.trainer.checkpoint``): the whole model and the AdamW
+  moments under HF names (gathered over TP through the weight mapping), so a checkpoint resumes at any TP/DP size
+  and in either backend; megatron's ``dist_checkpointing`` needs the distributed optimizer's sharding metadata.
+
+Weights leave under HF names: the TP shards are all-gathered layer by layer and regrouped by the mapping
+(:meth:`MegatronBackend.state_buckets` streams them a layer at a time); data-parallel replica 0's TP rank 0 (global
+rank 0) gets them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.errors import UserError
+from relax_hpc.trainer.batch import MicroBatch, TrainItem
+from relax_hpc.trainer.megatron.mapping import (
+    EMBED,
+    FINAL_NORM,
+    HF_EMBED,
+    HF_HEAD,
+    OUTPUT,
+    ModelShape,
+    hf_to_megatron,
+    megatron_stage_to_hf,
+)
+from relax_hpc.trainer.torch_trainer import TorchBackend, _check_one_normaliser
+
+log = logging.getLogger(__name__)
+
+_LAYER = "decoder.layers."
+
+
+def build(cfg: RecipeConfig, *, rank: int, world_size: int, device: str, dtype: Any, algorithm: Any, tokenizer: Any,
+          model: Any = None, ref_model: Any = None, teacher: Any = None) -> MegatronBackend:
+    """The factory entry of :func:`relax_hpc.trainer.backend.make_backend` for ``trainer.backend: megatron``.
+    ``model``: the HF policy whose weights (and config) the megatron model starts from (loaded if None)."""
+    from relax_hpc.trainer.megatron.config import require_megatron_core
+
+    require_megatron_core()
+    if model is None:
+        from relax_hpc.models.load import load_model
+
+        model = load_model(cfg.model, tokenizer, device="cpu", dtype=dtype, seed=cfg.seed)
+    return MegatronBackend(cfg, model, rank=rank, world_size=world_size, device=device, dtype=dtype,
+                           algorithm=algorithm, ref_model=ref_model, teacher=teacher)
+
+
+def init_parallel(tp: int, pp: int) -> None:
+    """torch.distributed's default group (one in-process gloo rank when there is none) and megatron's parallel
+    state for ``tp`` x ``pp`` (made again when another layout was set up in this process)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from relax_hpc.trainer.megatron.layers import cpu_shim
+
+    cpu_shim()
+    quiet_megatron()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (tp, pp):
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def _mark_parallel(gpt: Any) -> None:
+    """The tensor-parallel attributes megatron sets only when it initialises weights (``perform_initialization``;
+    here the weights come from HF): column-parallel and vocabulary-parallel weights split along rows, row-parallel
+    along columns, everything else replicated. The gradient norm counts each shard once by them."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_defaults_if_not_set_tensor_model_parallel_attributes,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in gpt.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+    for p in gpt.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+
+
+def quiet_megatron() -> None:
+    """megatron-core's INFO records (every DDP bucket's parameter names) and its warnings that TransformerEngine and
+    apex are missing (the local spec needs neither) stay out of the role logs; set its logger's level to see them."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex)( and Apex)? (is|are) not installed")
+    mlog = logging.getLogger("megatron.core")
+    if mlog.level == logging.NOTSET:
+        mlog.setLevel(logging.WARNING)
+
+
+class MegatronBackend(TorchBackend):
+    """megatron-core GPT trained with TP x DP (module docstring); the loss path is :class:`TorchBackend`'s."""
+
+    def __init__(self, cfg: RecipeConfig, hf_model: Any, *, rank: int, world_size: int, device: str, dtype: Any,
+                 algorithm: Any, ref_model: Any = None, teacher: Any = None):
+        import torch
+        from megatron.core import parallel_state as ps
+
+        mc = cfg.trainer.megatron
+        if mc.pp > 1:
+            raise UserError(f"trainer.megatron.pp={mc.pp}: the pipeline schedule is not wired into the megatron "
+                            "backend yet; use pp: 1 (tensor and data parallelism)")
+        if world_size % (mc.tp * mc.pp):
+            raise UserError(f"{world_size} trainer processes are not a multiple of tp*pp={mc.tp * mc.pp}")
+        init_parallel(mc.tp, mc.pp)
+        self.cfg, self.device, self.dtype, self.algorithm = cfg, device, dtype, algorithm
+        self.rank, self.world_size = rank, world_size
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), mc.tp
+        self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        self.ref_model, self.teacher = ref_model, teacher
+        temp = cfg.rollout.sampling.temperature
+        self.temperature = temp if temp > 0 else 1.0
+        self._hf_config = hf_model.config
+        self._gen_config = getattr(hf_model, "generation_config", None)
+        self.shape = ModelShape.from_hf(self._hf_config.to_dict())
+        self.gpt, self.model = self._build_model(hf_model, torch.device(device))
+        self.params = dict(self.gpt.named_parameters())
+        t = cfg.trainer
+        if mc.distributed_optimizer and rank == 0:
+            log.warning("trainer.megatron.distributed_optimizer: megatron-core 0.16's optimizers need CUDA; "
+                        "AdamW with the state replicated over data-parallel replicas")
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=tuple(t.betas),
+                                           weight_decay=t.weight_decay, foreach=False)
+        self.step = 0
+        self._keys: list[str] | None = None
+        self.begin_step()
+
+    def _build_model(self, hf_model: Any, device: Any) -> tuple[Any, Any]:
+        """(GPTModel, its DDP wrapper), the GPT holding this rank's shard of ``hf_model``'s weights."""
+        import torch
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer import TransformerConfig
+
+        from relax_hpc.trainer.megatron.config import ddp_args, model_args
+        from relax_hpc.trainer.megatron.layers import PackedCoreAttention
+
+        mc = self.cfg.trainer.megatron
+        args = model_args(self._hf_config.to_dict(), tp=mc.tp, pp=mc.pp, vocab_multiple=mc.vocab_multiple)
+        tc = TransformerConfig(**args.transformer, activation_func=getattr(torch.nn.functional, args.activation),
+                               use_cpu_initialization=True, perform_initialization=False,
+                               params_dtype=self.dtype, bf16=self.dtype == torch.bfloat16)
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.transformer["qk_layernorm"], normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+        gpt = GPTModel(tc, spec, **args.gpt)
+        _mark_parallel(gpt)
+        shard = hf_to_megatron(hf_model.state_dict(), self.shape, tp=mc.tp, tp_rank=self.tp_rank,
+                               vocab_multiple=mc.vocab_multiple)
+        missing, unexpected = gpt.load_state_dict(shard, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        assert not missing and not unexpected, (missing, unexpected)
+        gpt.to(device)
+        ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(**{**ddp_args(self.cfg.trainer),
+                                                                           "use_distributed_optimizer": False}), gpt)
+        return gpt, ddp.train()
+
+    # ------------------------------------------------------------------ forward
+    def sequence_logprobs(self, model: Any, mb: MicroBatch, *, with_entropy: bool = False) -> tuple[Any, Any]:
+        """Log-probs [T] (and entropies [T]) of ``mb``'s response tokens: the megatron model's from its
+        vocabulary-parallel logits; a reference/teacher HF model's as the torch backend computes them."""
+        if model is not self.model:
+            return super().sequence_logprobs(model, mb, with_entropy=with_entropy)
+        from relax_hpc.trainer.megatron.layers import vocab_parallel_logprobs
+
+        logits = self._response_logits(mb).float() / self.temperature
+        return vocab_parallel_logprobs(logits, mb.targets, vocab_size=self.shape.vocab_size, tp_rank=self.tp_rank,
+                                       tp_group=self.tp_group, with_entropy=with_entropy)
+
+    def _response_logits(self, mb: MicroBatch) -> Any:
+        """This TP rank's logits [T, V / tp] predicting each response token of ``mb`` (one packed THD row)."""
+        import torch
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        if mb.input_ids.shape[0] != 1 or mb.model_kwargs:
+            raise UserError("the megatron backend trains text-only micro-batches packed in one row")
+        lengths = torch.tensor([it.num_tokens for it in mb.items])
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        longest = int(lengths.max())
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)
+        out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                         packed_seq_params=packed)  # [1, tokens, V / tp]
+        return out[0, mb.logit_index]
+
+    def logits(self, input_ids: Any) -> Any:
+        """Full-vocabulary logits [B, S, V] of unpacked ``input_ids`` [B, S] (tests and checks; every TP rank
+        calls, all get them)."""
+        import torch
+
+        rows = []
+        with torch.no_grad():
+            for row in input_ids:
+                pos = torch.arange(row.numel(), device=row.device)[None]
+                out = self.model(input_ids=row[None], position_ids=pos, attention_mask=None)[0]
+                rows.append(self._gather_vocab(out)[:, : self.shape.vocab_size])
+        return torch.stack(rows)
+
+    def _gather_vocab(self, t: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        if self.tp_size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    def _use_rows(self, items: list[TrainItem]) -> bool:
+        return False  # one THD row per micro-batch: attention stays within each sequence by cu_seqlens
+
+    # ------------------------------------------------------------------ train
+    def begin_step(self) -> None:
+        self._zero_grads()
+        super().begin_step()
+
+    def finish_step(self) -> dict[str, float]:
+        """Sum gradients over DP (megatron's ``finalize_model_grads``), divide by the global normaliser, clip by
+        the global norm, step AdamW; the step's metrics (the same on every rank)."""
+        t0 = time.perf_counter()
+        n = self._all_reduce({"tok": self._n_tok, "seq": self._n_seq, "items": float(self._n_items),
+                              "loss": self._unit_loss})
+        divisor = max(n["tok"] if self.cfg.algorithm.loss_agg == "token_mean" else n["seq"], 1.0)
+        lr = self._lr()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        grad_norm = self._apply_gradient(self.optimizer, divisor)
+        self.step += 1
+        metrics = self._step_metrics(n["tok"], n["seq"])
+        _check_one_normaliser(self.algorithm, metrics["train/loss"], n["loss"] / divisor)
+        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/num_micro_batches": float(self._n_mb),
+                        "train/tokens": float(self._tokens),
+                        "train/padding_fraction": 1.0 - self._tokens / self._slots if self._slots else 0.0,
+                        "perf/train_time": self._compute + time.perf_counter() - t0, "train/samples": n["items"]})
+        self._inputs = []
+        return metrics
+
+    def _apply_gradient(self, optimizer: Any, divisor: float) -> float:
+        """The accumulated gradient summed over DP replicas (and the QK-norm parts over TP: megatron's
+        ``finalize_model_grads``), divided by ``divisor``, clipped; ``optimizer`` steps unless its norm is not
+        finite; the gradients zeroed. Returns the gradient norm before clipping."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        for p in self.params.values():  # DDP sums over replicas (calculate_per_token_loss)
+            g = p.main_grad.mul_(1.0 / divisor)
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # bf16 weights: AdamW on them, as the torch backend
+        grad_norm = self._clip_grad_norm(self.cfg.trainer.grad_clip)
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:
+            log.warning("non-finite gradient norm at step %d: update skipped", self.step)
+        self._zero_grads()
+        return grad_norm
+
+    def _zero_grads(self) -> None:
+        """Gradients zeroed (the DDP float32 buffers, which ``.grad`` views during a step)."""
+        self.model.zero_grad_buffer()
+        for p in self.params.values():
+            p.grad = None
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """The L2 norm of the whole model's gradient (each TP-sharded parameter's shards once, a replicated one
+        once) and ``torch.nn.utils.clip_grad_norm_``'s scaling by ``max_norm / (norm + 1e-6)`` when above 1."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        mine = [p.grad for p in self.params.values() if param_is_not_tensor_parallel_duplicate(p)]
+        sq = torch.stack([g.double().pow(2).sum() for g in mine]).sum().cpu()
+        if self.tp_size > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        norm = float(sq.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.params.values():
+                p.grad.mul_(coef)
+        return norm
+
+    def _all_reduce(self, d: dict[str, float]) -> dict[str, float]:
+        """``d`` summed over the data-parallel replicas (TP ranks of a replica hold the same values)."""
+        import torch
+        import torch.distributed as dist
+
+        if self.dp_size == 1:
+            return d
+        keys = sorted(d)
+        t = torch.tensor([d[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=self.dp_group)
+        return dict(zip(keys, t.tolist(), strict=True))
+
+    def sft_warmup(self, prompts: Any, tokenizer: Any, *, steps: int, lr: float, batch_size: int,
+                   max_tokens: int) -> dict[str, float]:
+        """``steps`` supervised updates (the torch backend's: mean token cross-entropy on the answers, AdamW of
+        its own, gradient clipping) on pairs from ``prompts``; every data-parallel replica draws its own pairs."""
+        import numpy as np
+        import torch
+
+        from relax_hpc.trainer.batch import pack
+        from relax_hpc.trainer.sft import answer_ids
+
+        if steps <= 0:
+            return {}
+        opt = torch.optim.AdamW(list(self.params.values()), lr=lr, foreach=False)
+        t0, temperature, loss = time.perf_counter(), self.temperature, float("nan")
+        self.temperature = 1.0
+        try:
+            for _ in range(steps):
+                batch = prompts.next_batch(batch_size)
+                answers = [np.asarray(answer_ids(tokenizer, p.answer)) for p in batch]
+                items = [TrainItem(prompt_ids=np.asarray(p.prompt_ids), response_ids=a,
+                                   rollout_logprobs=np.zeros(len(a), np.float32), loss_mask=np.ones(len(a), np.float32))
+                         for p, a in zip(batch, answers, strict=True)]
+                n_tok = self._all_reduce({"tok": float(sum(len(a) for a in answers))})["tok"]
+                total = 0.0
+                for mb in pack(items, max_tokens, rows=False):
+                    part = -(self.sequence_logprobs(self.model, mb)[0] * mb.loss_mask).sum()
+                    part.backward()
+                    total += float(part.detach())
+                self._apply_gradient(opt, max(n_tok, 1.0))
+                loss = self._all_reduce({"loss": total})["loss"] / max(n_tok, 1.0)
+        finally:
+            self.temperature = temperature
+        return {"warmup/loss": loss, "warmup/steps": float(steps), "warmup/seconds": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ weights out
+    def _units(self) -> Iterator[dict[str, Any]]:
+        """This rank's parameters per unit of the HF layout (:meth:`_units_of`)."""
+        return self._units_of({n: p.detach() for n, p in self.params.items()})
+
+    def _hf_units(self, units: Iterator[dict[str, Any]], *, weights: bool = True) -> Iterator[dict[str, Any]]:
+        """Each unit's tensors under HF names (TP shards all-gathered within each replica's TP group, regrouped by
+        the mapping). Global rank 0 gets them, the other ranks of replica 0 empty dicts, other replicas nothing;
+        with :attr:`state_on_every_rank` (colocate) every rank gets them. ``weights``: a tied model's
+        ``lm_head.weight`` is there too, the embedding tensor itself (as in the HF model's ``state_dict()``, which
+        strict loaders expect)."""
+        import torch
+        import torch.distributed as dist
+
+        every = self.state_on_every_rank
+        if self.dp_rank != 0 and not every:
+            return
+        n = self.shape.num_layers
+        for i, unit in enumerate(units):
+            shards: list[dict[str, Any]] = [{} for _ in range(self.tp_size)]
+            for name in sorted(unit):
+                t = unit[name].cpu().contiguous()
+                parts = [t] if self.tp_size == 1 else [torch.empty_like(t) for _ in range(self.tp_size)]
+                if self.tp_size > 1:
+                    dist.all_gather(parts, t, group=self.tp_group)
+                for r, part in enumerate(parts):
+                    shards[r][name] = part
+            if self.rank != 0 and not every:
+                yield {}
+                continue
+            part = megatron_stage_to_hf(shards, self.shape, pp=n, pp_rank=i)
+            if weights and self.shape.tied and HF_EMBED in part:
+                part[HF_HEAD] = part[HF_EMBED]
+            yield part
+
+    def full_state_dict(self, *, copy: bool = False) -> dict[str, Any]:
+        """The whole model under HF names on global rank 0 (every rank with ``state_on_every_rank``); new tensors (the
+        mapping regroups the shards), so ``copy`` changes nothing."""
+        out: dict[str, Any] = {}
+        for part in self._hf_units(self._units()):
+            out.update(part)
+        return out
+
+    def state_buckets(self, bucket_bytes: int) -> Iterator[dict[str, Any]]:
+        """The HF tensors a layer at a time, in buckets of about ``bucket_bytes`` (where :meth:`full_state_dict`
+        has them; other ranks of replica 0 empty buckets)."""
+        bucket: dict[str, Any] = {}
+        size = 0
+        for part in self._hf_units(self._units()):
+            for name, t in part.items():
+                nbytes = t.numel() * t.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = {}, 0
+                bucket[name] = t
+                size += nbytes
+        if bucket:
+            yield bucket
+
+    def detached(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return dict(state_dict)  # the HF tensors are made by the mapping, never live parameter storage
+
+    def hf_config(self) -> dict[str, Any]:
+        return dict(self._hf_config.to_dict())
+
+    def generation_config(self) -> dict[str, Any] | None:
+        return None if self._gen_config is None else dict(self._gen_config.to_dict())
+
+    def generation_model(self) -> Any:
+        return None  # an in-process engine builds its own HF model and receives the weights by state dict
+
+    def export_hf(self, path: Path | str, tokenizer: Any) -> None:
+        """``save_pretrained``'s folder: sharded safetensors (huggingface_hub), config, generation config and the
+        tokenizer; rank 0 writes."""
+        from huggingface_hub import save_torch_state_dict
+
+        sd = self.full_state_dict()
+        if self.rank != 0:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_torch_state_dict(sd, path, metadata={"format": "pt"})
+        self._hf_config.save_pretrained(path)
+        if self._gen_config is not None:
+            self._gen_config.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(model, AdamW state) under HF names, whole tensors on rank 0 (module docstring: any TP/DP resumes)."""
+        model_sd = self.full_state_dict()
+        state: dict[str, dict[str, Any]] = {}
+        keys = ("exp_avg", "exp_avg_sq")
+        have = all(self.optimizer.state.get(p) for p in self.params.values())
+        if have:
+            steps = {float(self.optimizer.state[p]["step"]) for p in self.params.values()}
+            assert len(steps) == 1, steps
+            for key in keys:
+                moments = self._units_of({n: self.optimizer.state[p][key] for n, p in self.params.items()})
+                for part in self._hf_units(moments, weights=False):
+                    for name, t in part.items():
+                        state.setdefault(name, {})[key] = t
+            step = self.optimizer.state[next(iter(self.params.values()))]["step"]
+            for st in state.values():
+                st["step"] = step.detach().clone()
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": sorted(model_sd)}
+                  for g in self.optimizer.param_groups]
+        return model_sd, {"state": state, "param_groups": groups}
+
+    def _units_of(self, tensors: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Per-parameter tensors (keyed by megatron parameter name) grouped per unit of the HF layout: layer 0
+        (with the embedding), ..., the last layer (with the final norm and the output layer), each layer's names
+        under local index 0 (:func:`megatron_stage_to_hf` with one layer per "stage")."""
+        n = self.shape.num_layers
+        for i in range(n):
+            prefix = f"{_LAYER}{i}."
+            unit = {f"{_LAYER}0.{k[len(prefix):]}": v for k, v in tensors.items() if k.startswith(prefix)}
+            for name in (EMBED,) if i == 0 else ():
+                unit[name] = tensors[name]
+            for name in (FINAL_NORM, OUTPUT) if i == n - 1 else ():
+                if name in tensors:
+                    unit[name] = tensors[name]
+            yield unit
+
+    def load_checkpoint_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
+        """This rank's shards of a whole HF-named model (and AdamW state) from :meth:`checkpoint_state`."""
+        import torch
+
+        mc = self.cfg.trainer.megatron
+
+        def shard(hf_sd: dict[str, Any]) -> dict[str, Any]:
+            return hf_to_megatron(hf_sd, self.shape, tp=mc.tp, tp_rank=self.tp_rank, vocab_multiple=mc.vocab_multiple)
+
+        with torch.no_grad():
+            for name, t in shard(model_sd).items():
+                self.params[name].copy_(t)
+        if not optim_sd or not optim_sd.get("state"):
+            return
+        st = optim_sd["state"]
+        moments = {key: shard({name: s[key] for name, s in st.items()}) for key in ("exp_avg", "exp_avg_sq")}
+        step = next(iter(st.values()))["step"]
+        for name, p in self.params.items():
+            self.optimizer.state[p] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
+                                       "exp_avg": moments["exp_avg"][name].to(p.device, p.dtype),
+                                       "exp_avg_sq": moments["exp_avg_sq"][name].to(p.device, p.dtype)}
+        for g, saved in zip(self.optimizer.param_groups, optim_sd.get("param_groups", []), strict=False):
+            g.update({k: v for k, v in saved.items() if k != "params"})

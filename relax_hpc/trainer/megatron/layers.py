@@ -1,0 +1,103 @@
+"""The pieces of the megatron backend that megatron-core's local layer spec lacks (imported only by the backend).
+
+- :class:`PackedCoreAttention`: core attention over packed sequences in THD layout (``packed_seq_params``), which
+  megatron-core's local ``DotProductAttention`` refuses: causal ``scaled_dot_product_attention`` per sequence of
+  ``cu_seqlens`` (GQA through ``enable_gqa``; no [T, T] mask; the same kernel call as the HF model's on one
+  sequence); RoPE is applied per sequence by megatron-core's pure-torch THD path before it. A varlen/flex kernel
+  is the GPU's next step.
+- :func:`vocab_parallel_logprobs`: per-token log-probs (and entropies) from vocabulary-parallel logits: each
+  tensor-parallel rank holds ``V / tp`` columns; the padded columns (beyond the model's vocabulary) are masked out,
+  so the log-probs are the HF model's; every reduction over the vocabulary is an all-reduce over the TP group
+  (differentiable: megatron's ``reduce_from_tensor_model_parallel_region``). Tokens are processed in chunks, so
+  no float32 copy of the whole ``[tokens, V / tp]`` logits is made beyond one chunk's.
+- :func:`cpu_shim`: megatron-core 0.16 moves the RoPE frequencies to ``torch.cuda.current_device()``; on a
+  machine without CUDA that call raises, and returns ``"cpu"`` after the shim.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+
+CHUNK_TOKENS = 4096
+"""Tokens per chunk of :func:`vocab_parallel_logprobs`."""
+
+
+def cpu_shim() -> None:
+    """``torch.cuda.current_device()`` returns ``"cpu"`` where torch has no CUDA (it raises otherwise)."""
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+
+class PackedCoreAttention(MegatronModule):
+    """Causal attention within each packed sequence (THD: ``query`` [T, heads, d], ``key``/``value``
+    [T, groups, d]); returns [T, heads * d]. Without ``packed_seq_params`` the whole input is one sequence
+    (SBHD with batch 1)."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None):
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+        assert attention_bias is None, "attention bias is not supported"
+        if packed_seq_params is None:  # [S, 1, h, d]: one sequence
+            assert query.shape[1] == 1, "unpacked input must have batch 1"
+            query, key, value = query[:, 0], key[:, 0], value[:, 0]
+            cu = torch.tensor([0, query.shape[0]], dtype=torch.int32)
+        else:
+            cu = packed_seq_params.cu_seqlens_q
+        n = query.shape[0]
+        gqa = key.shape[1] != query.shape[1]
+        bounds = cu.tolist()
+        outs = [torch.nn.functional.scaled_dot_product_attention(
+            query[a:b].transpose(0, 1), key[a:b].transpose(0, 1), value[a:b].transpose(0, 1), is_causal=True,
+            scale=self.softmax_scale, enable_gqa=gqa) for a, b in itertools.pairwise(bounds)]
+        out = torch.cat(outs, dim=1)
+        out = out.transpose(0, 1).reshape(n, -1)
+        return out if packed_seq_params is not None else out[:, None]
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_rank: int,
+                            tp_group: Any, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` [T] (and entropies [T]) from this TP rank's logits [T, V / tp] (float32 math)."""
+    logp, ent = [], []
+    for s in range(0, logits.shape[0], CHUNK_TOKENS):
+        lp, e = _chunk(logits[s:s + CHUNK_TOKENS], targets[s:s + CHUNK_TOKENS], vocab_size, tp_rank, tp_group,
+                       with_entropy)
+        logp.append(lp)
+        ent.append(e)
+    if not logp:
+        empty = logits.new_zeros(0, dtype=torch.float32)
+        return empty, empty if with_entropy else None
+    return torch.cat(logp), torch.cat(ent) if with_entropy else None  # type: ignore[arg-type]
+
+
+def _chunk(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp_rank: int, group: Any,
+           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    import torch.distributed as dist
+
+    width = logits.shape[-1]
+    start = tp_rank * width
+    pad = torch.arange(start, start + width, device=logits.device) >= vocab_size
+    z = logits.float().masked_fill(pad, float("-inf"))
+    m = z.detach().max(-1).values
+    if group.size() > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    shifted = z - m[:, None]
+    log_sum = torch.log(reduce_from_tensor_model_parallel_region(shifted.exp().sum(-1), group))
+    local = targets - start
+    mine = (local >= 0) & (local < width)
+    picked = shifted.gather(-1, local.clamp(0, width - 1)[:, None])[:, 0]
+    logp = reduce_from_tensor_model_parallel_region(torch.where(mine, picked, 0.0), group) - log_sum
+    if not with_entropy:
+        return logp, None
+    p = (shifted - log_sum[:, None]).exp()
+    mean_shifted = reduce_from_tensor_model_parallel_region((p * shifted.masked_fill(pad, 0.0)).sum(-1), group)
+    return logp, log_sum - mean_shifted

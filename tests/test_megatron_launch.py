@@ -1,0 +1,109 @@
+"""Launching the megatron backend: the Qwen3-4B TP=2 recipe validates and renders its torchrun sbatch script; bad
+torchrun layouts are one error; ``relax_hpc.launch.torchrun`` runs a TP=2 colocate run as two real ranks, and a
+SIGUSR2 to it (Slurm's time-limit warning) checkpoints the ranks and exits 3 (requeue), after which the run resumes
+and completes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runutil import DEMO, REPO, cli, events, metrics
+
+from relax_hpc.config.load import load_recipe
+from relax_hpc.errors import ConfigError, UserError
+from relax_hpc.launch.sbatch import render_run
+from relax_hpc.launch.torchrun import exit_status, launcher_args
+from relax_hpc.rundir import RunDir
+
+RECIPE = REPO / "recipes" / "qwen3-4b-megatron-tp2.yaml"
+
+
+def test_the_tp2_recipe_validates_and_renders_a_torchrun_step(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    cfg = load_recipe(RECIPE)
+    assert cfg.trainer.backend == "megatron" and cfg.trainer.megatron.tp == 2 and cfg.trainer.num_ranks == 8
+    assert cfg.launch.trainer.launcher == "torchrun"
+    (script,) = render_run(RunDir(tmp_path / "run"), cfg)
+    text = script.text
+    trainer, rollout = text.split("#SBATCH hetjob")
+    assert "#SBATCH --ntasks=1\n" in trainer and "#SBATCH --cpus-per-task=96\n" in trainer  # 8 ranks x 12 CPUs
+    assert "#SBATCH --gpus-per-node=8\n" in trainer and "#SBATCH --ntasks-per-node" not in trainer
+    assert "#SBATCH --ntasks=8\n" in rollout  # the rollout workers stay one task each
+    line = next(x for x in text.splitlines() if "relax_hpc.launch.torchrun" in x and "exec srun" in x)
+    for part in ("--het-group=0", "--ntasks-per-node=1", "--nnodes=1", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                 '--rdzv-endpoint="$head:29500"', "--shutdown-timeout=300", "-m relax_hpc role trainer"):
+        assert part in line, part
+    assert 'SLURM_JOB_NODELIST_HET_GROUP_0' in text
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+
+
+def test_bad_torchrun_layouts_are_one_error(tmp_path: Path) -> None:
+    cfg = load_recipe(DEMO, ["trainer.num_ranks=4", "launch.trainer.launcher=torchrun",
+                             "launch.trainer.tasks_per_node=2"])
+    with pytest.raises(UserError, match=r"nodes x tasks_per_node = 2 processes but the role has 4 ranks"):
+        render_run(RunDir(tmp_path / "run"), cfg)
+    with pytest.raises(ConfigError, match="torchrun starts trainer ranks only"):
+        load_recipe(DEMO, ["launch.rollout.launcher=torchrun"])
+
+
+def test_rank_and_exit_status_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    from relax_hpc.cli.role import default_rank
+
+    monkeypatch.delenv("RELAX_RANK", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")  # the node's one task
+    monkeypatch.setenv("RANK", "5")
+    assert default_rank() == 1  # not under torchrun: RANK is somebody else's
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "relax-7")
+    assert default_rank() == 5
+    assert exit_status([]) == 0 and exit_status([3, 3]) == 3 and exit_status([3, 1]) == 1
+    assert exit_status([-9]) == 137
+    assert launcher_args(["--nnodes=1", "x.py"])[0].endswith("SIGUSR2") and launcher_args(["a"])[-1] == "a"
+
+
+def _torchrun(run: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen([sys.executable, "-m", "relax_hpc.launch.torchrun", "--standalone", "--nproc-per-node=2",
+                             "-m", "relax_hpc", "role", "colocate", "--run-dir", str(run)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.integration
+def test_torchrun_tp2_colocate_checkpoints_on_sigusr2_and_resumes(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    run = tmp_path / "run"
+    sets = ["num_steps=6", "warmup.steps=2", "trainer.backend=megatron", "trainer.num_ranks=2", "trainer.megatron.tp=2",
+            "launch.trainer.launcher=torchrun", "launch.trainer.tasks_per_node=2", "rollout.prompts_per_step=8"]
+    prep = cli("submit", str(DEMO), "--executor", "local", "--dry-run", "--run-dir", str(run),
+               *[a for s in sets for a in ("--set", s)])  # writes the run dir, starts nothing
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    p = _torchrun(run)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if (run / "logs/events/colocate-0.jsonl").exists() and len(metrics(run, "colocate-0")) >= 2:
+            break
+        time.sleep(0.2)
+    assert p.poll() is None, p.stderr.read()[-3000:] if p.stderr else ""
+    p.send_signal(signal.SIGUSR2)
+    assert p.wait(timeout=300) == 3, p.stderr.read()[-3000:] if p.stderr else ""
+    from relax_hpc.trainer.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(RunDir(run))
+    assert latest is not None and (latest / "COMPLETE").is_file()
+    stopped = int(latest.name.split("_")[-1])
+    assert 2 <= stopped < 6
+    assert any(e.get("event") == "preempted" for e in events(run, "colocate-0"))
+    p = _torchrun(run)
+    assert p.wait(timeout=400) == 0, p.stderr.read()[-3000:] if p.stderr else ""
+    status = json.loads((run / "STATUS.json").read_text())
+    assert (status["state"], status["steps"]) == ("completed", 6)
+    steps = [rec["step"] for rec in metrics(run, "colocate-0") if "rollout/reward" in rec["metrics"]]
+    assert steps == list(range(1, 7)), steps  # every step once across the restart
