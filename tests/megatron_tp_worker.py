@@ -1,5 +1,7 @@
-"""One rank of the two-process megatron checks (run by tests/test_megatron_tp.py under torchrun, gloo on the CPU;
-``MEGATRON_TP_DEVICE=cuda``: NCCL, one GPU per rank, as tools/gpu/x2.sh runs it: not yet run on GPUs).
+"""One rank of the two-process megatron checks (run by tests/test_megatron_tp.py under torchrun), by
+``MEGATRON_TP_DEVICE``: ``cpu`` (default) gloo on the CPU; ``cuda-shared`` both ranks on the one GPU 0, gloo (the
+one-GPU check of the issue: NCCL refuses two ranks on one device); ``cuda`` NCCL, one GPU per rank, as
+tools/gpu/x2.sh runs it.
 
 Layouts: ``tied`` / ``untied`` = TP=2 (one replica), ``dp2`` = TP=1 x DP=2 (each rank trains on its share of the
 groups, as the store consumer would hand them out). Every rank builds the megatron backend from the same tiny HF
@@ -34,10 +36,13 @@ def mine(items: list, dp_rank: int, dp_size: int) -> list:
 
 
 def main(out: Path, layout: str) -> None:
-    dev = os.environ.get("MEGATRON_TP_DEVICE", "cpu")
-    if dev == "cuda":
+    mode = os.environ.get("MEGATRON_TP_DEVICE", "cpu")
+    dev = "cpu" if mode == "cpu" else "cuda"
+    if mode == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if dev == "cuda" else "gloo")
+    elif mode == "cuda-shared":
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 comparisons with the CPU-built HF model
+    dist.init_process_group("nccl" if mode == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tok = build_digits_tokenizer()
     tp = 1 if layout == "dp2" else 2
@@ -96,11 +101,9 @@ def _grad_difference(meg: object, ref: object, share: list, items: list) -> floa
     """The largest difference (relative to the largest element) of this rank's megatron gradient shard on its
     ``share`` of ``items`` (after the DP/TP reductions) from the torch backend's gradient on all ``items``, sharded
     by the weight mapping."""
-    from megatron.core.distributed import finalize_model_grads
-
     meg.begin_step()
     meg.accumulate(copy.deepcopy(share))
-    finalize_model_grads([meg.model])
+    meg._finalize_grads()
     ref.begin_step()
     ref.accumulate(copy.deepcopy(items))
     grads = {n: p.grad for n, p in ref.model.named_parameters()}

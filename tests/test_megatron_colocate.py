@@ -15,10 +15,23 @@ pytest.importorskip("megatron.core", reason="megatron-core is an optional extra:
 ARGS = ["--set", "num_steps=4", "--set", "warmup.steps=3", "--set", "trainer.checkpoint_every=2"]
 
 
-def _run(tmp_path: Path, backend: str) -> list[dict[str, float]]:
+def _on(device: str) -> list[str]:
+    return ["--set", f"trainer.device={device}", "--set", f"rollout.device={device}"]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+ON_THE_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="needs a GPU")])
+
+
+def _run(tmp_path: Path, backend: str, device: str = "cpu") -> list[dict[str, float]]:
     run = tmp_path / backend
     proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), *ARGS,
-               "--set", f"trainer.backend={backend}")
+               "--set", f"trainer.backend={backend}", *_on(device))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
     assert (run / "export" / "config.json").is_file() and list((run / "export").glob("*.safetensors"))
@@ -29,8 +42,9 @@ def _run(tmp_path: Path, backend: str) -> list[dict[str, float]]:
 
 
 @pytest.mark.integration
-def test_demo_colocate_with_megatron_matches_the_torch_backend(tmp_path: Path) -> None:
-    meg, ref = _run(tmp_path, "megatron"), _run(tmp_path, "torch")
+@pytest.mark.parametrize("device", ["cpu", ON_THE_GPU])
+def test_demo_colocate_with_megatron_matches_the_torch_backend(tmp_path: Path, device: str) -> None:
+    meg, ref = _run(tmp_path, "megatron", device), _run(tmp_path, "torch", device)
     assert len(meg) == len(ref) == 4
     for a, b in zip(meg, ref, strict=True):
         assert a["rollout/reward"] == pytest.approx(b["rollout/reward"], abs=1e-6)  # the same samples
@@ -42,11 +56,13 @@ def test_demo_colocate_with_megatron_matches_the_torch_backend(tmp_path: Path) -
 
 
 @pytest.mark.integration
-def test_fully_async_with_megatron_completes(tmp_path: Path) -> None:
-    """The trainer role on the megatron backend with two rollout workers loading its (HF-named) snapshots."""
+@pytest.mark.parametrize("device", ["cpu", ON_THE_GPU])
+def test_fully_async_with_megatron_completes(tmp_path: Path, device: str) -> None:
+    """The trainer role on the megatron backend with two rollout workers (the hf engine) loading its (HF-named)
+    snapshots; ``cuda``: every role on the one GPU."""
     run = tmp_path / "fa"
     proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), "--set", "mode=fully_async",
-               "--set", "num_steps=3", "--set", "warmup.steps=0", "--set", "trainer.backend=megatron")
+               "--set", "num_steps=3", "--set", "warmup.steps=0", "--set", "trainer.backend=megatron", *_on(device))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
     steps = [m["step"] for m in metrics(run, "trainer-0") if "train/loss" in m["metrics"]]

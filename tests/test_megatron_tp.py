@@ -17,10 +17,21 @@ pytest.importorskip("megatron.core", reason="megatron-core is an optional extra:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+ON_ONE_GPU = pytest.param("cuda-shared", marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="needs a GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_ONE_GPU])
 @pytest.mark.parametrize("layout", ["tied", "untied", "dp2"])
-def test_two_ranks_match_hf_and_the_torch_backend(tmp_path: Path, layout: str) -> None:
+def test_two_ranks_match_hf_and_the_torch_backend(tmp_path: Path, layout: str, device: str) -> None:
+    """``cuda-shared``: the two ranks share the one GPU over gloo."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
+           "PYTHONWARNINGS": "ignore", "MEGATRON_TP_DEVICE": device}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "tests" / "megatron_tp_worker.py"), str(tmp_path), layout],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -90,7 +90,7 @@ def recipe(folder: Path, a: argparse.Namespace) -> dict[str, Any]:
                     "sampling": {"temperature": 1.0, "max_new_tokens": a.new_tokens}},
         "algorithm": {"name": "grpo", "clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0},
         "reward": {"name": "math", "kwargs": {"timeout_s": 5}},
-        "trainer": {"device": a.device, "lr": 1.0e-6, "micro_batch_tokens": a.micro_batch_tokens,
+        "trainer": {"backend": a.backend, "device": a.device, "lr": 1.0e-6, "micro_batch_tokens": a.micro_batch_tokens,
                     "checkpoint_every": a.checkpoint_every, "async_checkpoint": a.async_checkpoint,
                     "export_final": False},
         "weights": {"publish_every": 1, "keep_last": 2},
@@ -240,7 +240,7 @@ def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
     root = dirs.new("step")
     root.mkdir(parents=True, exist_ok=True)
     steps, peak = run_loop(rec, root)
-    res: dict[str, Any] = {"benchmark": "step", "shape": a.shape, "params": params,
+    res: dict[str, Any] = {"benchmark": "step", "shape": a.shape, "backend": a.backend, "params": params,
                            "batch": f"{a.prompts} prompts x {a.samples} samples, {a.new_tokens} new tokens",
                            "micro_batch_tokens": a.micro_batch_tokens, "attn_implementation": a.attn,
                            "gradient_checkpointing": a.gradient_checkpointing,
@@ -292,6 +292,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda: the figures; cpu: checks the benchmark itself (qwen3-tiny)")
     p.add_argument("--steps", type=int, default=3, help="timed colocate steps")
+    p.add_argument("--backend", default="torch", choices=["torch", "megatron"],
+                   help="trainer.backend (megatron: megatron-core, TP=1; the engine gets the weights by state dict)")
     p.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first (graph capture, compile)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)

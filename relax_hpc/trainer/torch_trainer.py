@@ -362,7 +362,10 @@ class TorchBackend(TrainerBackend):
         )
 
         opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, model_sd, options=opts)
+        if self.world_size == 1:  # copied into the live parameters, on their device (the generic path may put
+            self.model.load_state_dict(model_sd)  # the checkpoint's CPU tensors in their place)
+        else:
+            set_model_state_dict(self.model, model_sd, options=opts)
         if optim_sd is not None:
             set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=opts)
 

@@ -71,9 +71,10 @@ def build(cfg: RecipeConfig, *, rank: int, world_size: int, device: str, dtype: 
                            algorithm=algorithm, ref_model=ref_model, teacher=teacher)
 
 
-def init_parallel(tp: int, pp: int) -> None:
-    """torch.distributed's default group (one in-process gloo rank when there is none) and megatron's parallel
-    state for ``tp`` x ``pp`` (made again when another layout was set up in this process)."""
+def init_parallel(tp: int, pp: int, device: str = "cpu") -> None:
+    """torch.distributed's default group (one in-process rank when there is none: gloo, and NCCL for CUDA tensors
+    on a GPU) and megatron's parallel state for ``tp`` x ``pp`` (made again when another layout was set up in this
+    process)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -82,7 +83,8 @@ def init_parallel(tp: int, pp: int) -> None:
     cpu_shim()
     quiet_megatron()
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (tp, pp):
             return
@@ -139,7 +141,7 @@ class MegatronBackend(TorchBackend):
                             "backend yet; use pp: 1 (tensor and data parallelism)")
         if world_size % (mc.tp * mc.pp):
             raise UserError(f"{world_size} trainer processes are not a multiple of tp*pp={mc.tp * mc.pp}")
-        init_parallel(mc.tp, mc.pp)
+        init_parallel(mc.tp, mc.pp, device)
         self.cfg, self.device, self.dtype, self.algorithm = cfg, device, dtype, algorithm
         self.rank, self.world_size = rank, world_size
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -155,8 +157,8 @@ class MegatronBackend(TorchBackend):
         self.params = dict(self.gpt.named_parameters())
         t = cfg.trainer
         if mc.distributed_optimizer and rank == 0:
-            log.warning("trainer.megatron.distributed_optimizer: megatron-core 0.16's optimizers need CUDA; "
-                        "AdamW with the state replicated over data-parallel replicas")
+            log.warning("trainer.megatron.distributed_optimizer is not applied yet: AdamW with the state replicated "
+                        "over the data-parallel replicas")
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=tuple(t.betas),
                                            weight_decay=t.weight_decay, foreach=False)
         self.step = 0
@@ -277,9 +279,7 @@ class MegatronBackend(TorchBackend):
         """The accumulated gradient summed over DP replicas (and the QK-norm parts over TP: megatron's
         ``finalize_model_grads``), divided by ``divisor``, clipped; ``optimizer`` steps unless its norm is not
         finite; the gradients zeroed. Returns the gradient norm before clipping."""
-        from megatron.core.distributed import finalize_model_grads
-
-        finalize_model_grads([self.model])
+        self._finalize_grads()
         for p in self.params.values():  # DDP sums over replicas (calculate_per_token_loss)
             g = p.main_grad.mul_(1.0 / divisor)
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # bf16 weights: AdamW on them, as the torch backend
@@ -290,6 +290,22 @@ class MegatronBackend(TorchBackend):
             log.warning("non-finite gradient norm at step %d: update skipped", self.step)
         self._zero_grads()
         return grad_norm
+
+    def _finalize_grads(self) -> None:
+        """megatron's ``finalize_model_grads``: the gradients summed over DP replicas, the replicated parts (QK-norm)
+        over TP. A single replica whose group is gloo on CUDA tensors (TP ranks sharing one GPU) skips the DP
+        part: there is nothing to sum, and gloo has no coalesced all-reduce of CUDA tensors."""
+        import torch.distributed as dist
+        from megatron.core.distributed import finalize_model_grads
+
+        skip = self.dp_size == 1 and self.device.startswith("cuda") and dist.get_backend(self.dp_group) == "gloo"
+        if skip:
+            self.model.finish_grad_sync = lambda *args, **kwargs: None  # this instance only, undone below
+        try:
+            finalize_model_grads([self.model])
+        finally:
+            if skip:
+                del self.model.finish_grad_sync
 
     def _zero_grads(self) -> None:
         """Gradients zeroed (the DDP float32 buffers, which ``.grad`` views during a step)."""

@@ -3,8 +3,9 @@
 - :class:`PackedCoreAttention`: core attention over packed sequences in THD layout (``packed_seq_params``), which
   megatron-core's local ``DotProductAttention`` refuses: causal ``scaled_dot_product_attention`` per sequence of
   ``cu_seqlens`` (GQA through ``enable_gqa``; no [T, T] mask; the same kernel call as the HF model's on one
-  sequence); RoPE is applied per sequence by megatron-core's pure-torch THD path before it. A varlen/flex kernel
-  is the GPU's next step.
+  sequence); RoPE is applied per sequence by megatron-core's pure-torch THD path before it. On a GPU in half
+  precision it is one call of torch's flash varlen kernel (``torch.nn.attention.varlen``, torch >= 2.10) instead,
+  where this torch has it.
 - :func:`vocab_parallel_logprobs`: per-token log-probs (and entropies) from vocabulary-parallel logits: each
   tensor-parallel rank holds ``V / tp`` columns; the padded columns (beyond the model's vocabulary) are masked out,
   so the log-probs are the HF model's; every reduction over the vocabulary is an all-reduce over the TP group
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any
 
@@ -53,15 +55,52 @@ class PackedCoreAttention(MegatronModule):
             cu = torch.tensor([0, query.shape[0]], dtype=torch.int32)
         else:
             cu = packed_seq_params.cu_seqlens_q
-        n = query.shape[0]
-        gqa = key.shape[1] != query.shape[1]
-        bounds = cu.tolist()
-        outs = [torch.nn.functional.scaled_dot_product_attention(
-            query[a:b].transpose(0, 1), key[a:b].transpose(0, 1), value[a:b].transpose(0, 1), is_causal=True,
-            scale=self.softmax_scale, enable_gqa=gqa) for a, b in itertools.pairwise(bounds)]
-        out = torch.cat(outs, dim=1)
-        out = out.transpose(0, 1).reshape(n, -1)
+        out = varlen_causal(query, key, value, cu, self.softmax_scale)
+        if out is None:
+            out = sdpa_per_sequence(query, key, value, cu, self.softmax_scale)
+        out = out.reshape(query.shape[0], -1)
         return out if packed_seq_params is not None else out[:, None]
+
+
+def sdpa_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+    """Causal ``scaled_dot_product_attention`` on each sequence of ``cu`` ([T, heads, d] in and out)."""
+    gqa = key.shape[1] != query.shape[1]
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query[a:b].transpose(0, 1), key[a:b].transpose(0, 1), value[a:b].transpose(0, 1), is_causal=True,
+        scale=scale, enable_gqa=gqa) for a, b in itertools.pairwise(cu.tolist())]
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
+                  scale: float | None) -> torch.Tensor | None:
+    """Causal attention within each sequence of ``cu`` in one call of torch's flash varlen kernel ([T, heads, d]),
+    or None where it does not apply: not CUDA, not half precision, or a torch without it (< 2.10). torch 2.10 takes
+    ``is_causal``, later ones ``window_size=(-1, 0)``; key/value heads are repeated for GQA where the kernel has no
+    ``enable_gqa``."""
+    if not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kw: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "window_size" not in params and "is_causal" not in params:
+        return None
+    if scale is not None:
+        if "scale" not in params:
+            return None
+        kw["scale"] = scale
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    longest = int((cu[1:] - cu[:-1]).max())
+    cu = cu.to(query.device, torch.int32)
+    return varlen_attn(query.contiguous(), key.contiguous(), value.contiguous(), cu, cu, longest, longest, **kw)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_rank: int,

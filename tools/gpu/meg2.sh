@@ -1,0 +1,11 @@
+#!/bin/bash
+# GPU call for the megatron backend (issue 16), part 2: `bench trainer --backend megatron` at the Qwen3-4B shape
+# (4 x 4096), then `bench step --backend megatron` (the colocate loop) at the Qwen3-0.6B shape. Carry [".whl"].
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit
+export PYTHONWARNINGS=ignore
+timeout ${BENCH_S:-200} python3 -m relax_hpc bench trainer --backend megatron --shape qwen3-4b --batch 4 --seq-len 4096 --iters 3 --json > $OUT/trainer4b.json 2> $OUT/trainer4b.err
+echo "bench trainer 4b rc=$?"; tail -3 $OUT/trainer4b.err; cat $OUT/trainer4b.json
+timeout ${STEP_S:-240} python3 -m relax_hpc bench step --backend megatron --device cuda --cache /tmp/bs --json --shape qwen3-0.6b --steps 3 --peers none > $OUT/step06-megatron.json 2> $OUT/step06.err
+echo "bench step rc=$?"; grep -E "Error|error:" $OUT/step06.err | tail -4
+python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: (round(v,4) if isinstance(v,float) else v) for k,v in r.items() if k not in ('machine','per_step')}); print(r.get('per_step'))" $OUT/step06-megatron.json
