@@ -56,7 +56,7 @@ def main(out: Path, layout: str) -> None:
     meg = make_backend(mcfg, rank=rank, world_size=world, device=dev, dtype=torch.float32, algorithm=algo,
                        tokenizer=tok, model=copy.deepcopy(hf))
     ref = make_backend(tcfg, rank=0, world_size=1, device=dev, dtype=torch.float32, algorithm=algo, tokenizer=tok,
-                       model=copy.deepcopy(hf))
+                       model=copy.deepcopy(hf).to(dev))
     res: dict[str, float | list[float]] = {"tp_size": meg.tp_size, "dp_size": meg.dp_size, "dp_rank": meg.dp_rank}
     ids = torch.as_tensor([[1, 5, 9, 4, 17, 13, 6, 7], [2, 3, 4, 5, 6, 7, 8, 9]])
     with torch.no_grad():

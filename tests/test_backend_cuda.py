@@ -33,6 +33,8 @@ class CudaFactory:
         cfg = cfg.model_copy(update={"trainer": trainer})
         model = build_tiny_model(cfg.model.tiny, len(tok), seed=seed, pad_token_id=tok.pad_token_id,
                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        if self.backend == "torch":  # trains the module it is given, where it is (megatron builds its own on the GPU)
+            model = model.to("cuda")
         return make_backend(cfg, rank=0, world_size=1, device="cuda", dtype=torch.float32,
                             algorithm=get_algorithm(cfg.algorithm.name), tokenizer=tok, model=model)
 

@@ -201,14 +201,28 @@ class MegatronBackend(TorchBackend):
         vocabulary-parallel logits; a reference/teacher HF model's as the torch backend computes them."""
         if model is not self.model:
             return super().sequence_logprobs(model, mb, with_entropy=with_entropy)
+        from relax_hpc.trainer.logprobs import chunked_logprobs
         from relax_hpc.trainer.megatron.layers import vocab_parallel_logprobs
 
-        logits = self._response_logits(mb).float() / self.temperature
+        if self.tp_size == 1:  # the torch backend's chunked head: no [tokens, vocabulary] logits kept for backward
+            hidden = self._forward(mb, hidden=True)
+            weight = self._output_weight()[: self.shape.vocab_size]  # the padded rows are not in the vocabulary
+            return chunked_logprobs(hidden, weight, mb.targets, temperature=self.temperature,
+                                    with_entropy=with_entropy)
+        logits = self._forward(mb).float() / self.temperature
         return vocab_parallel_logprobs(logits, mb.targets, vocab_size=self.shape.vocab_size, tp_rank=self.tp_rank,
                                        tp_group=self.tp_group, with_entropy=with_entropy)
 
-    def _response_logits(self, mb: MicroBatch) -> Any:
-        """This TP rank's logits [T, V / tp] predicting each response token of ``mb`` (one packed THD row)."""
+    def _output_weight(self) -> Any:
+        """The output layer's weight [V_padded / tp, H] (the embedding's when they are tied)."""
+        gpt = self.gpt
+        return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+            else gpt.output_layer.weight
+
+    def _forward(self, mb: MicroBatch, *, hidden: bool = False) -> Any:
+        """This TP rank's logits [T, V / tp] predicting each response token of ``mb`` (one packed THD row), or
+        with ``hidden`` the final (normed) hidden states [T, H] at those positions: the GPT stops before its
+        output layer (megatron's ``post_process`` off for the call)."""
         import torch
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -219,9 +233,13 @@ class MegatronBackend(TorchBackend):
         longest = int(lengths.max())
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                  max_seqlen_kv=longest)
-        out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
-                         packed_seq_params=packed)  # [1, tokens, V / tp]
-        return out[0, mb.logit_index]
+        self.gpt.post_process = not hidden
+        try:
+            out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                             packed_seq_params=packed)  # [1, tokens, V / tp], or hidden states [tokens, 1, H]
+        finally:
+            self.gpt.post_process = True
+        return out[:, 0][mb.logit_index] if hidden else out[0, mb.logit_index]
 
     def logits(self, input_ids: Any) -> Any:
         """Full-vocabulary logits [B, S, V] of unpacked ``input_ids`` [B, S] (tests and checks; every TP rank
