@@ -136,15 +136,22 @@ def reference_step(model: Any, items: list[TrainItem], cfg: RecipeConfig) -> dic
             "train/tis_weight_mean": float(sum(w.sum() for w in tis)) / n_tok}
 
 
-def _assert_weights_close(backend: TrainerBackend, model: Any, before: dict[str, torch.Tensor]) -> None:
+def _assert_weights_close(backend: TrainerBackend, model: Any, before: dict[str, torch.Tensor],
+                          outliers: float = 0.0) -> None:
     """The backend's update equals the reference's (compared as updates: AdamW's first update is about ``lr`` per
     element, and an element whose gradient is near AdamW's eps may differ by a few percent of ``lr`` between
-    packed and unpacked forward passes)."""
+    packed and unpacked forward passes). ``outliers``: the fraction of a tensor's elements allowed outside the
+    tolerance, still within ``lr`` (a GPU's float32 kernels round differently from the CPU reference: the eps
+    effect then reaches a few elements in ten thousand)."""
     ref = model.state_dict()
     moved = 0
     for name, w in backend.full_state_dict().items():
         d_backend, d_ref = w - before[name], ref[name] - before[name]
-        torch.testing.assert_close(d_backend, d_ref, atol=5e-5, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+        off = (d_backend - d_ref).abs() > 5e-5 + 1e-3 * d_ref.abs()
+        if outliers and int(off.sum()) <= outliers * off.numel():
+            assert float((d_backend - d_ref).abs().max()) < 1e-3, name  # the suite's lr
+        else:
+            torch.testing.assert_close(d_backend, d_ref, atol=5e-5, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
         moved += int(d_ref.abs().max() > 0)
     assert moved > 0  # the step changed the weights at all
 
@@ -159,7 +166,7 @@ def test_step_equals_reference_step(backend_factory: Any, loss_agg: str) -> None
     want = reference_step(model, copy.deepcopy(items), cfg)
     got = backend.train_step(copy.deepcopy(items))
     assert backend.step == 1
-    _assert_weights_close(backend, model, before)
+    _assert_weights_close(backend, model, before, getattr(backend_factory, "outliers", 0.0))
     for key in want:
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     assert 0.0 < got["train/pg_clipfrac"] <= 1.0  # a token fraction, whatever the loss normaliser
@@ -196,7 +203,7 @@ def test_stale_items_are_clipped_around_current_policy_and_is_weighted(backend_f
     items = make_items(12, seed=3, stale_every=3)
     want = reference_step(model, copy.deepcopy(items), cfg)
     got = backend.train_step(copy.deepcopy(items))
-    _assert_weights_close(backend, model, before)
+    _assert_weights_close(backend, model, before, getattr(backend_factory, "outliers", 0.0))
     assert got["train/tis_weight_mean"] == pytest.approx(want["train/tis_weight_mean"], rel=1e-4)
     assert got["train/tis_weight_mean"] != pytest.approx(1.0, abs=1e-3)  # the stale ones are re-weighted
     fresh = backend_factory.make(cfg, seed=1).train_step([dataclasses.replace(it, stale=False) for it in items])
@@ -248,7 +255,8 @@ def test_hf_export_loads_and_gives_same_logits(backend_factory: Any, tmp_path: P
     live = backend.generation_model()
     if live is not None:
         with torch.no_grad():
-            torch.testing.assert_close(live(input_ids=ids).logits, got, atol=1e-6, rtol=1e-6)
+            logits = live(input_ids=ids.to(next(live.parameters()).device)).logits.cpu()
+        torch.testing.assert_close(logits, got, atol=1e-6, rtol=1e-6)
 
 
 def test_state_is_hf_named_and_copy_is_private(backend_factory: Any) -> None:

@@ -17,6 +17,11 @@ pytest.importorskip("megatron.core", reason="megatron-core is an optional extra:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _pythonpath() -> str:
+    """The repository and tests/ first, then whatever the caller's PYTHONPATH had."""
+    return os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def _cuda() -> bool:
     import torch
 
@@ -30,8 +35,8 @@ ON_ONE_GPU = pytest.param("cuda-shared", marks=[pytest.mark.gpu, pytest.mark.ski
 @pytest.mark.parametrize("layout", ["tied", "untied", "dp2"])
 def test_two_ranks_match_hf_and_the_torch_backend(tmp_path: Path, layout: str, device: str) -> None:
     """``cuda-shared``: the two ranks share the one GPU over gloo."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore", "MEGATRON_TP_DEVICE": device}
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "MEGATRON_TP_DEVICE": device}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "tests" / "megatron_tp_worker.py"), str(tmp_path), layout],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -90,7 +95,7 @@ m = b.train_step(make_items(8, seed=3))
 assert m["train/loss"] == m["train/loss"] and b.step == 1
 print("resumed")
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "resumed" in proc.stdout, proc.stderr[-3000:]

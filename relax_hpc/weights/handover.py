@@ -84,7 +84,11 @@ class BackgroundHandover:
 
 
 def _on_one_gpu(trainer: Any) -> bool:
+    """One CUDA rank whose trained module is the HF model itself (its state dict is the snapshot: the torch
+    backend; the megatron backend's GPT is not HF-named and publishes through ``full_state_dict``)."""
     if getattr(trainer, "world_size", 1) != 1 or not hasattr(trainer, "optimizer"):
+        return False
+    if trainer.generation_model() is not trainer.model:
         return False
     p = next(trainer.model.parameters(), None)
     return p is not None and p.is_cuda

@@ -385,7 +385,7 @@ class MegatronBackend(TorchBackend):
                          for p, a in zip(batch, answers, strict=True)]
                 n_tok = self._all_reduce({"tok": float(sum(len(a) for a in answers))})["tok"]
                 total = 0.0
-                for mb in pack(items, max_tokens, rows=False):
+                for mb in pack(items, max_tokens, device=self.device, rows=False):
                     part = -(self.sequence_logprobs(self.model, mb)[0] * mb.loss_mask).sum()
                     part.backward()
                     total += float(part.detach())
