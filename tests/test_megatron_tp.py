@@ -95,7 +95,8 @@ m = b.train_step(make_items(8, seed=3))
 assert m["train/loss"] == m["train/loss"] and b.step == 1
 print("resumed")
 """
-    env = {**os.environ, "PYTHONPATH": _pythonpath(), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "PYTHONWARNINGS": "ignore",
+           "CUDA_VISIBLE_DEVICES": ""}  # on the CPU, also on a GPU machine (megatron-core places RoPE on CUDA)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "resumed" in proc.stdout, proc.stderr[-3000:]

@@ -138,6 +138,19 @@ BACKENDS: dict[str, str] = {
 """``trainer.backend`` -> the module whose ``build(cfg, **kwargs)`` makes the backend."""
 
 
+def hf_module_on_one_gpu(trainer: Any) -> bool:
+    """One CUDA rank whose trained module is the HF model itself, so that its ``state_dict()`` and optimizer are
+    the snapshot's and the checkpoint's content as they stand (the torch backend on one GPU). The GPU-side copies of
+    the hand-over and of background checkpoints take that path; any other backend (the megatron GPT is not
+    HF-named) goes through ``full_state_dict`` / ``checkpoint_state``."""
+    if getattr(trainer, "world_size", 1) != 1 or not hasattr(trainer, "optimizer"):
+        return False
+    if trainer.generation_model() is not trainer.model:
+        return False
+    p = next(trainer.model.parameters(), None)
+    return p is not None and p.is_cuda
+
+
 def make_backend(cfg: RecipeConfig, *, rank: int, world_size: int, device: str, dtype: Any, algorithm: Any,
                  tokenizer: Any, model: Any = None, ref_model: Any = None, teacher: Any = None) -> TrainerBackend:
     """The backend ``cfg.trainer.backend`` names (the one place that dispatches on it). ``model``: an already

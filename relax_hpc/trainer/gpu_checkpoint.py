@@ -7,7 +7,7 @@ that are kept for the next checkpoint (the session waits for the previous write 
 stream after the current optimizer step; the next optimizer step waits for the copy on the GPU (an optimizer step
 pre-hook, no host sync), and the writer thread waits for the copy's event before it serialises. The checkpoint's
 files and format are those of :func:`relax_hpc.trainer.checkpoint.capture` (same names, tied tensors once).
-Anything other than one CUDA rank returns None (the caller takes the content as before).
+Anything other than one CUDA rank training the HF module itself returns None (the caller takes the content as before).
 """
 
 from __future__ import annotations
@@ -16,14 +16,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from relax_hpc.trainer.backend import hf_module_on_one_gpu
 from relax_hpc.trainer.checkpoint import CheckpointData, dedupe_shared, rng_state
-
-
-def _on_one_gpu(trainer: Any) -> bool:
-    if getattr(trainer, "world_size", 1) != 1 or not hasattr(trainer, "optimizer"):
-        return False
-    p = next(trainer.model.parameters(), None)
-    return p is not None and p.is_cuda
 
 
 def _pinned(cache: dict[str, Any], key: str, v: Any) -> Any:
@@ -38,7 +32,7 @@ def _pinned(cache: dict[str, Any], key: str, v: Any) -> Any:
 def capture_on_gpu(trainer: Any) -> tuple[CheckpointData, Callable[[], None]] | None:
     """(the checkpoint's content in pinned host buffers, a function that waits until the copies are done), or None
     where this does not apply. The buffers are reused by the next call: write the previous content first."""
-    if not _on_one_gpu(trainer):
+    if not hf_module_on_one_gpu(trainer):
         return None
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

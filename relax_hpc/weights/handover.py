@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from relax_hpc.trainer.backend import hf_module_on_one_gpu
+
 
 class BackgroundHandover:
     """Pinned host copies of one trainer's weights, refreshed on a side stream, published in the background."""
@@ -83,23 +85,12 @@ class BackgroundHandover:
         self._hook.remove()
 
 
-def _on_one_gpu(trainer: Any) -> bool:
-    """One CUDA rank whose trained module is the HF model itself (its state dict is the snapshot: the torch
-    backend; the megatron backend's GPT is not HF-named and publishes through ``full_state_dict``)."""
-    if getattr(trainer, "world_size", 1) != 1 or not hasattr(trainer, "optimizer"):
-        return False
-    if trainer.generation_model() is not trainer.model:
-        return False
-    p = next(trainer.model.parameters(), None)
-    return p is not None and p.is_cuda
-
-
 def hand_over(files: Any, trainer: Any, version: int, *, final: bool = False) -> float:
     """Publish the trainer's weights as ``version`` through ``files`` (a ``SnapshotFiles``); returns the seconds
     the caller's thread spent. One CUDA rank: :class:`BackgroundHandover` (kept on ``files``); else the plain
     synchronous copy and background write."""
     t0 = time.perf_counter()
-    if not _on_one_gpu(trainer):
+    if not hf_module_on_one_gpu(trainer):
         files.submit(version, trainer.full_state_dict(copy=True), private=True)  # a copy nobody changes
         return time.perf_counter() - t0
     h = getattr(files, "_handover", None)

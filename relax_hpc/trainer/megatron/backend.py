@@ -139,6 +139,10 @@ class MegatronBackend(TorchBackend):
         if mc.pp > 1:
             raise UserError(f"trainer.megatron.pp={mc.pp}: the pipeline schedule is not wired into the megatron "
                             "backend yet; use pp: 1 (tensor and data parallelism)")
+        if not device.startswith("cuda") and torch.cuda.is_available():
+            raise UserError("trainer.device: cpu with trainer.backend: megatron on a machine with a GPU: "
+                            "megatron-core puts parts of the model (RoPE) on the current CUDA device; use "
+                            "trainer.device: cuda, or hide the GPUs (CUDA_VISIBLE_DEVICES=)")
         if world_size % (mc.tp * mc.pp):
             raise UserError(f"{world_size} trainer processes are not a multiple of tp*pp={mc.tp * mc.pp}")
         init_parallel(mc.tp, mc.pp, device)
