@@ -182,7 +182,8 @@ def test_abort_resubmit_versions(served, loop):
     old = engine.version
     folder, _ = _publish(rd, engine, old + 1, seed=5)
     reqs = [GenerateRequest(request_id=f"p{i}", prompt_ids=[1, 5 + i, 6, 17],
-                            sampling=SamplingParams(temperature=0.0, max_new_tokens=120)) for i in range(4)]
+                            sampling=SamplingParams(temperature=0.0, max_new_tokens=1500)) for i in range(4)]
+    # 1500 tokens, as the conformance suite's interrupts: still generating 0.3 s later on a fast machine too
     futs = [loop.submit(generate_resumable(engine, r, max_resubmits=cfg.rollout.server.max_resubmits)) for r in reqs]
     time.sleep(0.3)
     loop.run(update_weights(engine, old + 1, SnapshotFolder(folder), partial_rollout=True))
@@ -192,7 +193,7 @@ def test_abort_resubmit_versions(served, loop):
     for s in cut:
         k = int((s.versions == old).sum())
         assert k < len(s.versions) and (s.versions[:k] == old).all() and (s.versions[k:] == old + 1).all()
-        assert s.finish_reason in ("stop", "length") and len(s.token_ids) <= 120
+        assert s.finish_reason in ("stop", "length") and len(s.token_ids) <= 1500
 
 
 def test_sigkill_restart(served, loop):

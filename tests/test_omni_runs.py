@@ -73,7 +73,8 @@ def _wait_exit(pid: int, timeout: float) -> None:
 @pytest.mark.slow
 def test_colocate_with_the_pool_resumes_taking_each_prompt_once(rows, tmp_path):
     run = tmp_path / "run"
-    steps = 9  # 36 prompts of 20: the run crosses into the second epoch
+    steps = 20  # 80 prompts of 20: the run crosses epochs; long enough that the SIGTERM after step 3 lands before
+    # the end on a faster machine too
     args = small(rows, f"num_steps={steps}", "store.retention=keep", "trainer.checkpoint_every=100")
     p = subprocess.run([sys.executable, "-m", "relax_hpc", "submit", str(RECIPE), "--executor", "local",
                         "--run-dir", str(run), "--detach", *args], cwd=REPO, capture_output=True, text=True,

@@ -202,7 +202,7 @@ def test_separate_placement_status_scale_and_cancel(runs: Callable[..., Any], st
 # ------------------------------------------------------------------------------------------------ preemption
 def test_usr2_before_the_limit_requeues_and_resumes(runs: Callable[..., Any], standin: str) -> None:
     """What Slurm does signal_delay_s before the limit: USR2 to the steps -> checkpoint, exit 3 -> requeue."""
-    rd, cfg = runs(num_steps=8)
+    rd, cfg = runs(num_steps=16)  # 0.5 s a step: ~7 s left after step 2 for the signal to land
     job_id = launch(rd, cfg, python=standin)["jobs"][0]["job_id"]
     wait_until(lambda: rd.checkpoints_latest.exists() and int(rd.checkpoints_latest.read_text()) >= 2,
                "two steps")
@@ -230,7 +230,7 @@ def test_time_limit_signal_from_slurm_requeues(runs: Callable[..., Any], standin
 
 def test_external_scontrol_requeue_resumes(runs: Callable[..., Any], standin: str) -> None:
     """``scontrol requeue`` (SIGTERM to the steps): the trainer checkpoints, Slurm reruns the job, it resumes."""
-    rd, cfg = runs(num_steps=8, mode="fully_async", launch__placement="separate", rollout__num_workers=1)
+    rd, cfg = runs(num_steps=16, mode="fully_async", launch__placement="separate", rollout__num_workers=1)
     trainer_job = launch(rd, cfg, python=standin)["jobs"][0]["job_id"]
     wait_until(lambda: rd.checkpoints_latest.exists() and int(rd.checkpoints_latest.read_text()) >= 2,
                "two steps")

@@ -150,7 +150,8 @@ def test_demo_hetjob(submitted: list[RunDir], tmp_path: Path) -> None:
 
 
 def test_demo_separate_scaled_up_and_down_mid_run(submitted: list[RunDir], tmp_path: Path) -> None:
-    steps = 300  # long enough that the trainer still trains after the new workers started and were drained
+    steps = 800  # long enough that the trainer still trains after the new workers started and were drained (also on
+    # a machine faster than the 2-core VM: the Slurm and start-up overheads do not shrink with the steps)
     rd = submit(tmp_path / "sep", "mode=fully_async", "launch.placement=separate", f"num_steps={steps}",
                 "rollout.num_workers=1", runs=submitted)
     assert [j["kind"] for j in read_launch_record(rd)["jobs"]] == ["trainer", "rollout_array"]

@@ -290,7 +290,8 @@ def check_survived(rd: RunDir, steps: int, killed: dict[str, int]) -> None:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_local_run_survives_sigkilled_worker_and_trainer(tmp_path: Path) -> None:
-    steps = 40
+    steps = 120  # the trainer must still run when its kill lands (after step 5 of the 1 s-lagged heartbeat) on a
+    # machine faster than the 2-core VM too
     rd = RunDir(tmp_path / "run")
     args = [sys.executable, "-m", "relax_hpc", "submit", str(DEMO), "--executor", "local", "--run-dir", str(rd.root)]
     for s in [*SMALL, f"num_steps={steps}"]:
@@ -329,7 +330,7 @@ def test_slurm_tasks_restart_sigkilled_roles_without_ending_jobs(tmp_path: Path,
         if os.environ.get("RELAX_REQUIRE_SLURM") == "1":
             pytest.fail(f"no Slurm cluster answers ({problem})")
         pytest.skip(f"no Slurm cluster answers ({problem}); start one with: tools/slurm_local.sh start")
-    steps = 100  # 40 steps took ~4 s on an idle machine: the trainer finished before its kill could land
+    steps = 200  # 40 steps took ~4 s on an idle machine: the trainer finished before its kill could land
     rd = RunDir(tmp_path / "run")
     args = ["submit", str(DEMO), "--executor", "slurm", "--run-dir", str(rd.root)]
     for s in [*SMALL, f"num_steps={steps}", f"launch.placement={placement}", "launch.time_min=15",
@@ -390,7 +391,7 @@ def check_group_survived(rd: RunDir, steps: int, killed: str) -> None:
 @pytest.mark.slow
 def test_local_two_rank_trainer_restarts_as_a_group(tmp_path: Path) -> None:
     """A real 2-rank (gloo) trainer: rank 1 SIGKILLed mid-run; the run completes, exactly once."""
-    steps = 30
+    steps = 100  # still running when the kill lands, also on a faster machine
     rd = RunDir(tmp_path / "run")
     args = [sys.executable, "-m", "relax_hpc", "submit", str(DEMO), "--executor", "local", "--run-dir", str(rd.root)]
     for s in [*SMALL, f"num_steps={steps}", "trainer.num_ranks=2"]:
@@ -428,7 +429,7 @@ def test_slurm_two_rank_trainer_restarts_as_a_group(tmp_path: Path) -> None:
         if os.environ.get("RELAX_REQUIRE_SLURM") == "1":
             pytest.fail(f"no Slurm cluster answers ({problem})")
         pytest.skip(f"no Slurm cluster answers ({problem}); start one with: tools/slurm_local.sh start")
-    steps = 30
+    steps = 100  # still running when the kill lands, also on a faster machine
     rd = RunDir(tmp_path / "run")
     args = ["submit", str(DEMO), "--executor", "slurm", "--run-dir", str(rd.root)]
     for s in [*SMALL, f"num_steps={steps}", "trainer.num_ranks=2", "launch.time_min=15", "launch.signal_delay_s=30",

@@ -18,7 +18,7 @@ published shard), and the trained groups are checked against ``num_steps x promp
 ``relax-hpc bench chaos [--json] [--runs 20] [--kills 100] [--parallel 4]`` prints runs, kills, requeues, step
 cancels, resumes, completed, and samples produced / consumed / dropped / quarantined / unread / duplicated / lost.
 Every job it submitted is cancelled by id at the end. When runs complete before their share of ``--kills`` landed,
-the share passes to later runs, and up to ``--runs // 4`` runs more are submitted until ``--kills`` have landed.
+the share passes to later runs, and up to ``--runs // 2`` runs more are submitted until ``--kills`` have landed.
 """
 
 from __future__ import annotations
@@ -332,10 +332,10 @@ def kill_quota(runs: list[ChaosRun], args: argparse.Namespace) -> int:
 
 def another_run(runs: list[ChaosRun], args: argparse.Namespace) -> bool:
     """Whether to submit another run: fewer than ``--runs`` so far, or the kills landed and still planned fall short
-    of ``--kills`` (runs that completed before their quota was spent), up to ``--runs // 4`` runs more."""
+    of ``--kills`` (runs that completed before their quota was spent), up to ``--runs // 2`` runs more."""
     if len(runs) < args.runs:
         return True
-    return len(runs) < args.runs + max(1, args.runs // 4) and kill_quota(runs, args) > 0
+    return len(runs) < args.runs + max(1, args.runs // 2) and kill_quota(runs, args) > 0
 
 
 def chaos(args: argparse.Namespace) -> dict[str, Any]:
