@@ -213,7 +213,7 @@ def test_usr2_before_the_limit_requeues_and_resumes(runs: Callable[..., Any], st
     assert second["slurm_restart_count"] == "1" and second["slurm_job_id"] == job_id
     assert events(rd, "colocate-0", "checkpointed")[0]["signal"] == "SIGUSR2"
     assert final_states(rd) == {job_id: "COMPLETED 0:0"}
-    assert "requeued job" in rd.slurm_output("colocate", job_id).read_text()
+    assert "requeueing job" in rd.slurm_output("colocate", job_id).read_text()
 
 
 @pytest.mark.slow
@@ -224,7 +224,7 @@ def test_time_limit_signal_from_slurm_requeues(runs: Callable[..., Any], standin
     second = wait_until(lambda: events(rd, "colocate-0", "incarnation")[1:], "a second incarnation", 150)[0]
     assert second["slurm_restart_count"] == "1" and second["resumed_from"] > 0
     assert events(rd, "colocate-0", "checkpointed")[0]["signal"] == "SIGUSR2"
-    assert "requeued job" in rd.slurm_output("colocate", job_id).read_text()
+    assert "requeueing job" in rd.slurm_output("colocate", job_id).read_text()
     cancel_run(rd, timeout_s=60)
 
 
