@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,17 +82,7 @@ class TrainerBackend(ABC):
         """The whole model under HF names in buckets of about ``bucket_bytes`` (a tensor larger than that is a bucket
         of its own). Every rank iterates; rank 0 gets the tensors, the others empty buckets. Tensors are valid until
         the next optimizer step."""
-        bucket: dict[str, Tensor] = {}
-        size = 0
-        for name, t in self.full_state_dict().items():
-            n = t.numel() * t.element_size()
-            if bucket and size + n > bucket_bytes:
-                yield bucket
-                bucket, size = {}, 0
-            bucket[name] = t
-            size += n
-        if bucket:
-            yield bucket
+        yield from bucketed(self.full_state_dict().items(), bucket_bytes)
 
     def detached(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """``state_dict`` with every tensor that is live weight storage copied (no collective; any rank)."""
@@ -136,6 +126,22 @@ BACKENDS: dict[str, str] = {
     "megatron": "relax_hpc.trainer.megatron.backend",
 }
 """``trainer.backend`` -> the module whose ``build(cfg, **kwargs)`` makes the backend."""
+
+
+def bucketed(tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[dict[str, Any]]:
+    """``(name, tensor)`` pairs grouped in order into buckets of about ``bucket_bytes`` (a tensor larger than that
+    is a bucket of its own)."""
+    bucket: dict[str, Any] = {}
+    size = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t
+        size += n
+    if bucket:
+        yield bucket
 
 
 def hf_module_on_one_gpu(trainer: Any) -> bool:

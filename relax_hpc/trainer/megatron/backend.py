@@ -445,18 +445,10 @@ class MegatronBackend(TorchBackend):
     def state_buckets(self, bucket_bytes: int) -> Iterator[dict[str, Any]]:
         """The HF tensors a layer at a time, in buckets of about ``bucket_bytes`` (where :meth:`full_state_dict`
         has them; other ranks of replica 0 empty buckets)."""
-        bucket: dict[str, Any] = {}
-        size = 0
-        for part in self._hf_units(self._units()):
-            for name, t in part.items():
-                nbytes = t.numel() * t.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = {}, 0
-                bucket[name] = t
-                size += nbytes
-        if bucket:
-            yield bucket
+        from relax_hpc.trainer.backend import bucketed
+
+        yield from bucketed(((name, t) for part in self._hf_units(self._units()) for name, t in part.items()),
+                            bucket_bytes)
 
     def detached(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         return dict(state_dict)  # the HF tensors are made by the mapping, never live parameter storage
