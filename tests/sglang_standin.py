@@ -38,6 +38,17 @@ SCHEMAS: dict[str, tuple[set[str], set[str]]] = {
 }
 SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "sampling_seed",
             "no_stop_trim", "skip_special_tokens", "ignore_eos", "n"}
+_SAY = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """One log line in one write: print() writes the text and its newline separately, so lines of two request
+    threads could interleave."""
+    import sys
+
+    with _SAY:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 class State:
@@ -123,7 +134,7 @@ def check_media(body: dict[str, Any]) -> str:
 def generate(st: State, body: dict[str, Any]) -> dict[str, Any]:
     media = check_media(body)
     if media:
-        print(f"media of {body.get('rid')}: {media}; prompt ids {list(body['input_ids'])}", flush=True)
+        _say(f"media of {body.get('rid')}: {media}; prompt ids {list(body['input_ids'])}")
     sp = body["sampling_params"]
     unknown = set(sp) - SAMPLING
     if unknown:
@@ -270,7 +281,7 @@ def make_handler(st: State) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def log_message(self, fmt: str, *args: Any) -> None:
-            print(f"{self.address_string()} {fmt % args}", flush=True)
+            _say(f"{self.address_string()} {fmt % args}")
 
         def _send(self, code: int, payload: Any) -> None:
             data = json.dumps(payload).encode()
