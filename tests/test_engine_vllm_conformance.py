@@ -64,6 +64,10 @@ def tiny_model() -> torch.nn.Module:
         for p in m.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
+        # a head of std 0.04 (logits of std ~1 instead of ~5 at this width): the float32 rounding differences of
+        # the server's kernels then move a log-prob by at most 2e-5 here (measured over the module), within the
+        # suite's 1e-4; with the head at std 0.2 a 300-token aborted sample reached 1.16e-4 in CI
+        m.lm_head.weight.mul_(0.2)
     return m
 
 
