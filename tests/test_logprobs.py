@@ -153,3 +153,87 @@ def test_entropy_outside_the_loss_costs_no_gradient_change() -> None:
     h.grad = w.grad = None
     (reference(h, w, tgt, 1.0)[0] * 2.0).sum().backward()
     assert torch.allclose(gh, h.grad, atol=1e-5) and torch.allclose(gw, w.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize(("temperature", "entropy"), [(1.0, False), (0.7, True)])
+def test_fusable_chunks_equal_the_eager_ones(temperature: float, entropy: bool) -> None:
+    """The formulation the GPU compiles (``fused=True``: a ``where`` over the vocabulary instead of an in-place
+    scatter) gives the eager path's values and gradients bit for bit (run eagerly here: compiling is the GPU's)."""
+    import relax_hpc.trainer.logprobs as L
+
+    g = torch.Generator().manual_seed(5)
+    T, H, V = 40, 16, 53
+    h0 = torch.randn(T, H, generator=g)
+    w0 = torch.randn(V, H, generator=g) * 0.5
+    tgt = torch.randint(0, V, (T,), generator=g)
+    a_lp, a_en = torch.randn(T, generator=g), torch.randn(T, generator=g)
+
+    def run(fused: bool):
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        lp, en = L.chunked_logprobs(h, w, tgt, temperature=temperature, with_entropy=entropy, chunk=16, fused=fused)
+        loss = (lp * a_lp).sum() + ((en * a_en).sum() if en is not None else 0)
+        loss.backward()
+        return lp.detach(), h.grad, w.grad
+
+    saved = dict(L._COMPILED)
+    L._COMPILED.clear()
+    L._COMPILED.update({"stats": L._chunk_stats, "grad": L._chunk_grad})  # the fused path's math, not compiled
+    try:
+        fused = run(True)
+    finally:
+        L._COMPILED.clear()
+        L._COMPILED.update(saved)
+    eager = run(False)
+    for a, b in zip(fused, eager):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    import relax_hpc.trainer.logprobs as L
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    saved = dict(L._COMPILED)
+    L._COMPILED.clear()
+    L._COMPILED.update({"stats": broken, "grad": broken})
+    try:
+        h = torch.randn(12, 8, requires_grad=True)
+        w = torch.randn(21, 8, requires_grad=True)
+        tgt = torch.randint(0, 21, (12,))
+        lp, _ = L.chunked_logprobs(h, w, tgt, chunk=5, fused=True)
+        lp.sum().backward()
+        assert L._COMPILED.get("state") == "failed"
+        want = reference(h.detach(), w.detach(), tgt, 1.0)[0]
+        assert torch.allclose(lp.detach(), want, atol=1e-5)
+        assert sum("torch.compile failed" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        L._COMPILED.clear()
+        L._COMPILED.update(saved)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_head_on_cuda_matches_the_eager_one() -> None:
+    """The compiled chunks (the default on a GPU) against the eager ones, bf16 weights at a Qwen-sized vocabulary,
+    chunks of uneven length (dynamic shapes), with and without entropy."""
+    import relax_hpc.trainer.logprobs as L
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, H, V = 3000, 256, 151_936
+    h0 = torch.randn(T, H, generator=g, device="cuda", dtype=torch.bfloat16)
+    w0 = (torch.randn(V, H, generator=g, device="cuda") * 0.05).bfloat16()
+    tgt = torch.randint(0, V, (T,), generator=g, device="cuda")
+
+    def run(fused: bool, ent: bool):
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        lp, en = L.chunked_logprobs(h, w, tgt, temperature=0.9, with_entropy=ent, chunk=1100, fused=fused)
+        ((lp * 0.5).sum() + ((en * 0.3).sum() if en is not None else 0)).backward()
+        return lp.detach().float(), h.grad.float(), w.grad.float()
+
+    for ent in (False, True):
+        fused, eager = run(True, ent), run(False, ent)
+        assert L._COMPILED.get("state") != "failed"
+        for a, b in zip(fused, eager):
+            scale = b.abs().max().clamp_min(1e-6)
+            assert float((a - b).abs().max() / scale) < 2e-2, (a - b).abs().max()

@@ -32,10 +32,11 @@ def default_chunk(vocab: int) -> int:
     return max(64, CHUNK_ELEMENTS // max(1, vocab))
 
 
-def _chunk_stats(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, inv_t: float,
+def _chunk_stats(z: torch.Tensor, tgt: torch.Tensor, inv_t: float,
                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(log-prob of ``tgt``, log-sum-exp, entropy or None) for one chunk: logits in w's dtype, then float32."""
-    z = (h @ w.t()).float()
+    """(log-prob of ``tgt``, log-sum-exp, entropy or None) of one chunk's logits ``z`` (model dtype; float32
+    from here on)."""
+    z = z.float()
     if inv_t != 1.0:
         z = z * inv_t
     lse = torch.logsumexp(z, dim=-1)
@@ -47,35 +48,98 @@ def _chunk_stats(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, inv_t: flo
     return logp, lse, ent
 
 
+def _chunk_grad(z: torch.Tensor, lse: torch.Tensor, tgt: torch.Tensor, g_logp: torch.Tensor | None,
+                ent: torch.Tensor | None, g_ent: torch.Tensor | None, inv_t: float, dtype: torch.dtype,
+                fusable: bool) -> torch.Tensor:
+    """d loss / d z of one chunk, in ``dtype``: ``g_logp * (onehot(t) - p)`` plus the entropy term
+    ``-g_ent * p * (log p + H)``, times ``1 / temperature``.
+
+    ``fusable`` writes the one-hot term as a ``where`` over the vocabulary instead of an in-place scatter, so that
+    ``torch.compile`` makes the whole chunk one elementwise kernel; both give the same float32 values
+    (``g + (-p g)`` and ``g - p g`` round alike), only the eager ``where`` allocates more."""
+    zf = z.float()
+    if inv_t != 1.0:
+        zf = zf * inv_t
+    logp_all = zf - lse[:, None]
+    p = logp_all.exp()
+    gz: torch.Tensor | None = None
+    if g_logp is not None:
+        g = g_logp[:, None]
+        if fusable:
+            hit = torch.arange(z.shape[-1], device=z.device)[None, :] == tgt[:, None]
+            gz = torch.where(hit, g - p * g, -p * g)
+        else:
+            gz = -p * g
+            gz.scatter_add_(-1, tgt[:, None], g)
+    if g_ent is not None and ent is not None:
+        term = p * (logp_all + ent[:, None]) * g_ent[:, None]
+        gz = -term if gz is None else gz - term
+    assert gz is not None
+    if inv_t != 1.0:
+        gz = gz * inv_t
+    return gz.to(dtype)
+
+
+_COMPILED: dict[str, Any] = {}
+"""``torch.compile``d chunk functions (built on first use on a GPU; ``"failed"`` once compiling failed)."""
+
+
+def _kernels(fused: bool) -> tuple[Any, Any]:
+    """(stats, grad) chunk functions: compiled (dynamic shapes: chunks and micro-batches vary) when ``fused`` and
+    compiling works here, else the eager ones."""
+    if not fused or _COMPILED.get("state") == "failed":
+        return _chunk_stats, _chunk_grad
+    if "stats" not in _COMPILED:
+        _COMPILED["stats"] = torch.compile(_chunk_stats, dynamic=True)
+        _COMPILED["grad"] = torch.compile(_chunk_grad, dynamic=True)
+    return _COMPILED["stats"], _COMPILED["grad"]
+
+
+def _call(fused: bool, which: int, *args: Any) -> Any:
+    """Call kernel ``which`` (0 stats, 1 grad); a compile failure falls back to eager for good, with one warning."""
+    fn = _kernels(fused)[which]
+    if fn is _chunk_stats or fn is _chunk_grad:
+        return fn(*args)
+    try:
+        return fn(*args)
+    except Exception as e:  # any compiler failure: the eager path computes the same values
+        import logging
+
+        logging.getLogger(__name__).warning("fused LM head: torch.compile failed (%s: %s); using the eager chunks",
+                                            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        _COMPILED["state"] = "failed"
+        return (_chunk_stats, _chunk_grad)[which](*args)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """Autograd function: (hidden [T, H], weight [V, H], targets [T]) -> (logp [T], entropy [T]) in float32."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_t: float,
-                chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, with_entropy: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            lp, ls, en = _chunk_stats(hidden[s:e], weight, targets[s:e], inv_t, with_entropy)
+            lp, ls, en = _call(fused, 0, hidden[s:e] @ weight.t(), targets[s:e], inv_t, with_entropy)
             logp[s:e] = lp
             lse[s:e] = ls
             if en is not None:
                 ent[s:e] = en
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.set_materialize_grads(False)  # an entropy outside the loss (entropy_coef 0) costs no backward work
-        ctx.inv_t, ctx.chunk, ctx.with_entropy = inv_t, chunk, with_entropy
+        ctx.inv_t, ctx.chunk, ctx.with_entropy, ctx.fused = inv_t, chunk, with_entropy, fused
         return logp, ent
 
     @staticmethod
     def backward(ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        inv_t, chunk = ctx.inv_t, ctx.chunk
+        inv_t, chunk, fused = ctx.inv_t, ctx.chunk, ctx.fused
         use_ent = ctx.with_entropy and g_ent is not None
         if g_logp is None and not use_ent:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -83,21 +147,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
-            z = (h @ weight.t()).float()
-            if inv_t != 1.0:
-                z = z * inv_t
-            logp_all = z - lse[s:e, None]
-            p = logp_all.exp()
-            # d logp[t] / dz = onehot(t) - p;  d H / dz = -p * (log p + H)
-            gz = torch.zeros_like(z) if g_logp is None else -p * g_logp[s:e, None]
-            if g_logp is not None:
-                gz.scatter_add_(-1, targets[s:e, None], g_logp[s:e, None])
-            if use_ent:
-                assert g_ent is not None
-                gz -= p * (logp_all + ent[s:e, None]) * g_ent[s:e, None]
-            if inv_t != 1.0:
-                gz *= inv_t
-            gz = gz.to(weight.dtype)
+            gz = _call(fused, 1, h @ weight.t(), lse[s:e], targets[s:e], None if g_logp is None else g_logp[s:e],
+                       ent[s:e] if use_ent else None, g_ent[s:e] if use_ent else None, inv_t, weight.dtype, fused)
             if grad_h is not None:
                 grad_h[s:e] = gz @ weight
             if grad_w is not None:
@@ -105,16 +156,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     grad_w.addmm_(gz.t(), h)
                 else:  # one bf16 product per chunk (as the plain path's), summed in float32
                     grad_w.add_(gz.t() @ h)
-        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                     with_entropy: bool = False, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     with_entropy: bool = False, chunk: int | None = None,
+                     fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[T]`` (float32) of ``targets`` under ``softmax(hidden @ weight.T / temperature)`` and, with
-    ``with_entropy``, the entropies ``[T]``; never more than ``chunk`` rows of logits at once."""
+    ``with_entropy``, the entropies ``[T]``; never more than ``chunk`` rows of logits at once. ``fused``: compile
+    each chunk's elementwise work into fused kernels (``torch.compile``); None = on CUDA tensors only."""
     assert hidden.dim() == 2 and targets.dim() == 1 and hidden.shape[0] == targets.shape[0]
     chunk = chunk or default_chunk(weight.shape[0])
-    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk, with_entropy)
+    fused = hidden.is_cuda if fused is None else fused
+    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk, with_entropy, fused)
     return logp, (ent if with_entropy else None)
 
 
@@ -142,9 +196,9 @@ def response_hidden(model: Any, mb: Any) -> torch.Tensor:
     return out.last_hidden_state.flatten(0, 1)[mb.logit_index]
 
 
-def response_logprobs(model: Any, mb: Any, *, temperature: float, with_entropy: bool,
-                      chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(model: Any, mb: Any, *, temperature: float, with_entropy: bool, chunk: int | None = None,
+                      fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[T]`` (and entropies) of ``mb``'s response tokens through the chunked head."""
     hidden = response_hidden(model, mb)
     return chunked_logprobs(hidden, model.lm_head.weight, mb.targets, temperature=temperature,
-                            with_entropy=with_entropy, chunk=chunk)
+                            with_entropy=with_entropy, chunk=chunk, fused=fused)

@@ -81,7 +81,8 @@ class TorchBackend(TrainerBackend):
         from relax_hpc.trainer.logprobs import chunked_supported, response_logprobs
 
         if chunked_supported(model, mb, world_size=self.world_size):  # no [T, V] logits (trainer/logprobs.py)
-            return response_logprobs(model, mb, temperature=self.temperature, with_entropy=with_entropy)
+            return response_logprobs(model, mb, temperature=self.temperature, with_entropy=with_entropy,
+                                     fused=None if self.cfg.trainer.fused_head else False)
         logits = response_logits(model, mb).float() / self.temperature  # [T, V]
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, mb.targets[:, None])[:, 0]

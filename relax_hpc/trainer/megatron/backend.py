@@ -212,7 +212,7 @@ class MegatronBackend(TorchBackend):
             hidden = self._forward(mb, hidden=True)
             weight = self._output_weight()[: self.shape.vocab_size]  # the padded rows are not in the vocabulary
             return chunked_logprobs(hidden, weight, mb.targets, temperature=self.temperature,
-                                    with_entropy=with_entropy)
+                                    with_entropy=with_entropy, fused=None if self.cfg.trainer.fused_head else False)
         logits = self._forward(mb).float() / self.temperature
         return vocab_parallel_logprobs(logits, mb.targets, vocab_size=self.shape.vocab_size, tp_rank=self.tp_rank,
                                        tp_group=self.tp_group, with_entropy=with_entropy)
