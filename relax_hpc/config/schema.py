@@ -531,11 +531,11 @@ class TrainerConfig(Section):
     checkpoint is durable. Checkpoints on a signal or at the end are always written before the role exits."""
     export_final: bool = True
     """Export the final model in HF format to ``RUN_DIR/export``."""
-    fused_head: bool = True
+    fused_head: bool = False
     """On a GPU, compile the chunked LM head's per-chunk elementwise work (log-sum-exp, gather, the softmax gradient)
     into fused kernels with ``torch.compile`` instead of ~8 passes over ``[chunk, vocabulary]`` float32 tensors; the
     first micro-batches pay the compilation, and a compile failure falls back to the eager chunks with one warning.
-    Ignored on the CPU."""
+    Ignored on the CPU. Off by default until its speed is measured on a GPU (docs/benchmarks.md)."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallel layout of ``backend: megatron`` (ignored by ``torch``); with it, ``num_ranks`` counts every trainer
     process (data x tensor x pipeline)."""
