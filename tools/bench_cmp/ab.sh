@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Summarise: python3 tools/bench_cmp/summ.py /tmp/ab/MODE-*
+# A/B: base (cb7e445, before the seams) vs new (main), fully_async and colocate demo, alternating.
+# usage: bash tools/bench_cmp/ab.sh MODE REPS STEPS   (START=k resumes at rep k)
+set -u
+MODE=${1:-fully_async}; REPS=${2:-3}; STEPS=${3:-400}
+OUTD=/tmp/ab; mkdir -p $OUTD
+[ -d /tmp/base ] || git -C /work/main worktree add -f /tmp/base cb7e445 >/dev/null 2>&1
+for r in $(seq ${START:-1} $REPS); do
+  for side in base new; do
+    src=/work/main; [ $side = base ] && src=/tmp/base
+    rd=$OUTD/$MODE-$side-$r; rm -rf $rd
+    t0=$(date +%s.%N)
+    (cd $src && PYTHONPATH=$src python3 -m relax_hpc submit recipes/demo.yaml --executor local --set mode=$MODE \
+       --set num_steps=$STEPS --run-dir $rd >$rd.out 2>&1)
+    t1=$(date +%s.%N)
+    echo "$MODE $side $r rc=$? wall=$(python3 -c "print(round($t1-$t0,1))") load=$(cut -d' ' -f1 /proc/loadavg)"
+  done
+done
