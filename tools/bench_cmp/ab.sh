@@ -5,10 +5,10 @@
 set -u
 MODE=${1:-fully_async}; REPS=${2:-3}; STEPS=${3:-400}
 OUTD=/tmp/ab; mkdir -p $OUTD
-[ -d /tmp/base ] || git -C /work/main worktree add -f /tmp/base cb7e445 >/dev/null 2>&1
+[ -d /tmp/base ] || git -C "$(dirname "$0")/../.." worktree add -f /tmp/base cb7e445 >/dev/null 2>&1
 for r in $(seq ${START:-1} $REPS); do
   for side in base new; do
-    src=/work/main; [ $side = base ] && src=/tmp/base
+    src=$(cd "$(dirname "$0")/../.." && pwd); [ $side = base ] && src=/tmp/base
     rd=$OUTD/$MODE-$side-$r; rm -rf $rd
     t0=$(date +%s.%N)
     (cd $src && PYTHONPATH=$src python3 -m relax_hpc submit recipes/demo.yaml --executor local --set mode=$MODE \

@@ -1,7 +1,8 @@
+#!/usr/bin/env bash
 set -e
 # cProfile of 200 colocate demo steps, base (cb7e445 worktree at /tmp/base, see ab.sh) or new: bash prof.sh base|new
 # -> /tmp/ab/prof-SIDE.pstats
-side=$1; src=/work/main; [ $side = base ] && src=/tmp/base
+side=$1; src=$(cd "$(dirname "$0")/../.." && pwd); [ $side = base ] && src=/tmp/base
 rd=/tmp/ab/prof-$side; rm -rf $rd
 cd $src
 PYTHONPATH=$src python3 -m relax_hpc submit recipes/demo.yaml --executor local --set mode=colocate --set num_steps=200 --run-dir $rd --dry-run >/dev/null
