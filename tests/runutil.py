@@ -41,3 +41,12 @@ def rewards(run_dir: Path, proc: str) -> list[float]:
 def events(run_dir: Path, proc: str) -> list[dict[str, Any]]:
     path = run_dir / "logs" / "events" / f"{proc}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def steps_around_restart(run_dir: Path, proc: str, killed_pid: int) -> tuple[list[int], list[int]]:
+    """The training steps ``proc`` logged (records with ``rollout/reward``) before its process ``killed_pid`` was
+    killed, and after it was restarted, told apart by the records' ``pid`` (a restart that begins right after the
+    last logged step leaves no drop in the step numbers to find it by)."""
+    recs = [r for r in metrics(run_dir, proc) if "rollout/reward" in r["metrics"]]
+    return ([r["step"] for r in recs if r.get("pid") == killed_pid],
+            [r["step"] for r in recs if r.get("pid") != killed_pid])

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from runutil import REPO, metrics
+from runutil import REPO, metrics, steps_around_restart
 
 RECIPE = REPO / "recipes" / "tiny-digit-lookup-tool.yaml"
 SLOW_ENV = Path(__file__).parent / "agentic_slow_env.py"
@@ -191,9 +191,9 @@ def test_trainer_killed_mid_episode_resumes_exactly_once(tmp_path: Path, started
             trainer.kill()
     _wait("the rollout worker to finish", lambda: not _alive(pids["rollout-0"]), 120)
     assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
-    steps = _trainer_steps(run)
-    cut = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # where the restarted trainer begins
-    assert steps[:cut] == list(range(1, cut + 1)) and steps[cut:] == list(range(ckpt + 1, 15))
+    before, after = steps_around_restart(run, "trainer-0", pids["trainer-0"])
+    assert before == list(range(1, len(before) + 1)) and ckpt <= len(before) + 1
+    assert after == list(range(ckpt + 1, 15))
     acc = store_accounting(run)
     assert acc["plans"] >= 14 and acc["samples_read"] >= 14 * 16  # at least a whole batch per step was read
     print(json.dumps({"trainer_killed": acc, "checkpoint": ckpt, "episodes_in_flight_at_kill": in_flight}))
