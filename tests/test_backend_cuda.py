@@ -28,12 +28,14 @@ class CudaFactory:
     tolerance (still within lr): gradients near AdamW's eps, rounded differently by the GPU's kernels."""
 
     def __init__(self, backend: str) -> None:
-        self.backend = backend
+        self.backend, _, option = backend.partition("+")
+        self.compile_layers = option == "compile"  # the torch backend with trainer.compile_layers
         self.tokenizer = build_digits_tokenizer()
 
     def make(self, cfg: RecipeConfig, seed: int) -> TrainerBackend:
         tok = self.tokenizer
-        trainer = cfg.trainer.model_copy(update={"backend": self.backend, "device": "cuda"})
+        trainer = cfg.trainer.model_copy(update={"backend": self.backend, "device": "cuda",
+                                                 "compile_layers": self.compile_layers})
         cfg = cfg.model_copy(update={"trainer": trainer})
         model = build_tiny_model(cfg.model.tiny, len(tok), seed=seed, pad_token_id=tok.pad_token_id,
                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -69,7 +71,7 @@ def _megatron_installed() -> bool:
     return importlib.util.find_spec("megatron") is not None
 
 
-@pytest.fixture(params=["torch", pytest.param("megatron", marks=pytest.mark.skipif(
+@pytest.fixture(params=["torch", "torch+compile", pytest.param("megatron", marks=pytest.mark.skipif(
     not _megatron_installed(), reason="megatron-core is an optional extra"))])
 def backend_factory(request: pytest.FixtureRequest) -> Any:
     return CudaFactory(request.param)

@@ -92,7 +92,7 @@ def recipe(folder: Path, a: argparse.Namespace) -> dict[str, Any]:
         "reward": {"name": "math", "kwargs": {"timeout_s": 5}},
         "trainer": {"backend": a.backend, "device": a.device, "lr": 1.0e-6, "micro_batch_tokens": a.micro_batch_tokens,
                     "checkpoint_every": a.checkpoint_every, "async_checkpoint": a.async_checkpoint,
-                    "export_final": False, "fused_head": a.fused_head},
+                    "export_final": False, "fused_head": a.fused_head, "compile_layers": a.compile_layers},
         "weights": {"publish_every": 1, "keep_last": 2},
     }
 
@@ -244,6 +244,7 @@ def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
                            "batch": f"{a.prompts} prompts x {a.samples} samples, {a.new_tokens} new tokens",
                            "micro_batch_tokens": a.micro_batch_tokens, "attn_implementation": a.attn,
                            "gradient_checkpointing": a.gradient_checkpointing, "fused_head": a.fused_head,
+                           "compile_layers": a.compile_layers,
                            "steps": len(steps), "warmup_steps": a.warmup_steps}
     res.update(summarize(steps, a, params, prompt_lengths(rec, len(steps))))
     res["peak_gpu_memory_gb"] = peak
@@ -307,6 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "end-of-run checkpoint)")
     p.add_argument("--async-checkpoint", action="store_true", help="trainer.async_checkpoint (background writes)")
     p.add_argument("--fused-head", action="store_true", help="trainer.fused_head (the compiled LM-head chunks)")
+    p.add_argument("--compile-layers", action="store_true", help="trainer.compile_layers (compiled decoder layers "
+                   "for training)")
     p.add_argument("--peers", default="generate,trl", help="comma list of generate, trl (or none)")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL steps (the first is reported apart)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")

@@ -536,6 +536,11 @@ class TrainerConfig(Section):
     into fused kernels with ``torch.compile`` instead of ~8 passes over ``[chunk, vocabulary]`` float32 tensors; the
     first micro-batches pay the compilation, and a compile failure falls back to the eager chunks with one warning.
     Ignored on the CPU. Off by default until its speed is measured on a GPU (docs/benchmarks.md)."""
+    compile_layers: bool = False
+    """On a GPU, ``torch.compile`` the model's decoder layers for the training forward and backward (fuses each
+    layer's small elementwise kernels: RoPE, SiLU x up, residual adds, casts). Generation, checkpoints and exports keep
+    the eager layers. The first micro-batches pay the compilation; a compile failure falls back to the eager layers
+    with one warning. Ignored on the CPU."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Parallel layout of ``backend: megatron`` (ignored by ``torch``); with it, ``num_ranks`` counts every trainer
     process (data x tensor x pipeline)."""

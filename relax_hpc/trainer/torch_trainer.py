@@ -71,6 +71,7 @@ class TorchBackend(TrainerBackend):
         self.temperature = temp if temp > 0 else 1.0
         self.step = 0
         self._keys: list[str] | None = None
+        self._compiled = _compiled_layers(self.model, cfg, device)
         self.begin_step()
 
     # ------------------------------------------------------------------ forward
@@ -122,11 +123,13 @@ class TorchBackend(TrainerBackend):
         mbs = pack(items, cfg.trainer.micro_batch_tokens, device=self.device, rows=self._use_rows(items),
                    attn_scale=6.0 * hidden if hidden else DEFAULT_ATTN_SCALE,
                    pack_multimodal=MRope.of(self.model) is not None)
-        olds = self._old_logprobs(mbs)
+        with self._compiled():
+            olds = self._old_logprobs(mbs)
         refs = self._aux_logprobs(self.ref_model, mbs) if cfg.algorithm.kl_coef > 0 and self.ref_model else None
         teach = self._aux_logprobs(self.teacher, mbs) if self.teacher is not None else None
         for k, mb in enumerate(mbs):
-            x = self._loss_inputs(mb, olds[k], refs[k] if refs else None, teach[k] if teach else None)
+            with self._compiled():
+                x = self._loss_inputs(mb, olds[k], refs[k] if refs else None, teach[k] if teach else None)
             loss, _ = self.algorithm.loss(x, cfg.algorithm)
             loss.backward()
             self._unit_loss += float(loss.detach())
@@ -373,6 +376,18 @@ class TorchBackend(TrainerBackend):
 
 TorchTrainer = TorchBackend
 """The round-1 name of :class:`TorchBackend`."""
+
+
+def _compiled_layers(model: Any, cfg: RecipeConfig, device: str) -> Any:
+    """The context the training forward runs in: compiled decoder layers with ``trainer.compile_layers`` on a GPU
+    (models/compiled.py), else nothing."""
+    import contextlib
+
+    if not (cfg.trainer.compile_layers and str(device).startswith("cuda")):
+        return contextlib.nullcontext
+    from relax_hpc.models.compiled import CompiledLayers
+
+    return CompiledLayers(model).active
 
 
 def _check_one_normaliser(algorithm: Any, loss: float, deferred: float) -> None:
