@@ -94,6 +94,21 @@ def test_same_tokens_as_the_plain_loop_on_cpu(model: torch.nn.Module, sampling: 
         assert stops == {True, False}, "rows that stop early and rows that run to the limit"
 
 
+@pytest.mark.slow
+def test_compiled_layer_parts_give_the_plain_loops_tokens_on_cpu(model: torch.nn.Module) -> None:
+    """``rollout.hf_decoder: compiled``: the two halves of each layer around the attention are compiled (inductor's
+    C++ backend on the CPU): the same sampled tokens for the same seed, log-probs within 1e-5."""
+    torch._dynamo.reset()
+    dec = GraphDecoder(model, compiled=True)
+    for sampling in ({"temperature": 0.0, "top_k": 0, "top_p": 1.0}, {"temperature": 0.9, "top_k": 6, "top_p": 0.9}):
+        (ta, la), (tb, lb) = both(model, dec, 0, n=3, max_new_tokens=24, **sampling)
+        ra, rb = trimmed(ta, la), trimmed(tb, lb)
+        assert [r[0] for r in ra] == [r[0] for r in rb]
+        for (_, x), (_, y) in zip(ra, rb):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    assert not dec._pre.failed and not dec._post.failed
+
+
 def test_several_steps_between_checks_same_tokens(model: torch.nn.Module) -> None:
     """The GPU path runs the steps between two stop checks as one unit: eagerly, the same sampled tokens."""
     dec = GraphDecoder(model, check_every=4)
@@ -153,11 +168,13 @@ def test_unsupported_models() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graphs_agree_with_the_plain_loop_in_bf16() -> None:
-    """bf16 on a GPU, graphs and compaction on: greedy tokens agree with the plain loop (a position where the two
-    differ must be a near-tie of the top two logits), log-probs within bf16 tolerance, sampling runs and stops."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-layers", "compiled-layers"])
+def test_cuda_graphs_agree_with_the_plain_loop_in_bf16(compiled: bool) -> None:
+    """bf16 on a GPU, graphs and compaction on (and ``compiled``: the layers' elementwise work fused by
+    torch.compile inside the graphs): greedy tokens agree with the plain loop (a position where the two differ must
+    be a near-tie of the top two logits), log-probs within bf16 tolerance, sampling runs and stops."""
     model = make_model(vocab=64, std=0.3, layers=3).cuda().to(torch.bfloat16)
-    dec = GraphDecoder(model)
+    dec = GraphDecoder(model, compiled=compiled)
     assert dec.use_graphs and dec.compact
     ids, attn = left_pad(prompts(64))
     ids, attn = ids.cuda(), attn.cuda()
@@ -186,3 +203,5 @@ def test_cuda_graphs_agree_with_the_plain_loop_in_bf16() -> None:
     again = dec.captures
     dec.sample(ids, attn, **kw)
     assert dec.captures == again  # same size and sampling: all steps replayed
+    if compiled:
+        assert not dec._pre.failed and not dec._post.failed

@@ -87,6 +87,7 @@ def recipe(folder: Path, a: argparse.Namespace) -> dict[str, Any]:
                  "max_prompt_tokens": 256},
         "rollout": {"engine": "hf", "num_workers": 1, "prompts_per_step": a.prompts, "n_samples": a.samples,
                     "batch_prompts": a.prompts, "device": a.device,
+                    "hf_decoder": "compiled" if a.compiled_decode else "auto",
                     "sampling": {"temperature": 1.0, "max_new_tokens": a.new_tokens}},
         "algorithm": {"name": "grpo", "clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0},
         "reward": {"name": "math", "kwargs": {"timeout_s": 5}},
@@ -244,7 +245,7 @@ def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
                            "batch": f"{a.prompts} prompts x {a.samples} samples, {a.new_tokens} new tokens",
                            "micro_batch_tokens": a.micro_batch_tokens, "attn_implementation": a.attn,
                            "gradient_checkpointing": a.gradient_checkpointing, "fused_head": a.fused_head,
-                           "compile_layers": a.compile_layers,
+                           "compile_layers": a.compile_layers, "compiled_decode": a.compiled_decode,
                            "steps": len(steps), "warmup_steps": a.warmup_steps}
     res.update(summarize(steps, a, params, prompt_lengths(rec, len(steps))))
     res["peak_gpu_memory_gb"] = peak
@@ -308,6 +309,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "end-of-run checkpoint)")
     p.add_argument("--async-checkpoint", action="store_true", help="trainer.async_checkpoint (background writes)")
     p.add_argument("--fused-head", action="store_true", help="trainer.fused_head (the compiled LM-head chunks)")
+    p.add_argument("--compiled-decode", action="store_true", help="rollout.hf_decoder: compiled (the decode "
+                   "layers' elementwise work fused by torch.compile inside the CUDA graphs)")
     p.add_argument("--compile-layers", action="store_true", help="trainer.compile_layers (compiled decoder layers "
                    "for training)")
     p.add_argument("--peers", default="generate,trl", help="comma list of generate, trl (or none)")

@@ -382,10 +382,12 @@ class RolloutConfig(Section):
     """Inference servers (``sglang``, ``vllm`` engines)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the ``hf`` engine runs."""
-    hf_decoder: Literal["auto", "generate"] = "auto"
+    hf_decoder: Literal["auto", "compiled", "generate"] = "auto"
     """How the ``hf`` engine decodes: ``auto`` = its own sampling loop with a KV cache for text prompts to a plain
-    causal LM (same sampling as ``generate``, 1.3x as fast on the demo model: bench generate), ``transformers.generate``
-    otherwise; ``generate`` = always ``transformers.generate``."""
+    causal LM (same sampling as ``generate``, 1.3x as fast on the demo model: bench generate; on a GPU the loop's
+    steps are captured as CUDA graphs), ``transformers.generate`` otherwise; ``compiled`` = ``auto``, and on a GPU
+    each layer's elementwise work in the captured steps is fused by ``torch.compile`` (the first batches of each size
+    pay the compilation); ``generate`` = always ``transformers.generate``."""
     env: EnvConfig | None = None
     """A multi-turn environment: every sample becomes an episode (None = single-turn prompts)."""
 

@@ -36,6 +36,42 @@ def decoder_layers(model: Any) -> list[Any]:
     return []
 
 
+def raise_recompile_limit() -> None:
+    """torch._dynamo's per-code-object recompile limit to at least :data:`RECOMPILE_LIMIT`."""
+    import torch
+
+    cfg = torch._dynamo.config
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, knob):
+            setattr(cfg, knob, max(int(getattr(cfg, knob)), RECOMPILE_LIMIT))
+
+
+class CompiledFn:
+    """``fn`` compiled with dynamic shapes; after a compile failure (one warning) ``fn`` itself."""
+
+    def __init__(self, fn: Callable[..., Any], what: str):
+        import torch
+
+        raise_recompile_limit()
+        self.eager, self.what, self.failed = fn, what, False
+        self.compiled = torch.compile(fn, dynamic=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if self.failed:
+            return self.eager(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # compilation failed: nothing of fn ran yet
+            self.failed = True
+            log.warning("%s: torch.compile failed (%s: %s); running it eagerly", self.what, type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            return self.eager(*args, **kwargs)
+
+
 class CompiledLayers:
     """``torch.compile``d forwards of a model's decoder layers, in force only inside :meth:`active`."""
 
@@ -44,10 +80,7 @@ class CompiledLayers:
 
         self.layers = decoder_layers(model)
         self.failed = False
-        cfg = torch._dynamo.config
-        for knob in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, knob):
-                setattr(cfg, knob, max(int(getattr(cfg, knob)), RECOMPILE_LIMIT))
+        raise_recompile_limit()
         self._calls = [self._guarded(layer.forward, torch.compile(layer.forward, dynamic=True))
                        for layer in self.layers]
 

@@ -89,7 +89,7 @@ class GraphDecoder:
     """The static decode state of one model and its captured steps (kept between calls of the same size)."""
 
     def __init__(self, model: Any, *, use_graphs: bool | None = None, compact: bool | None = None,
-                 check_every: int | None = None):
+                 check_every: int | None = None, compiled: bool = False):
         p = next(model.parameters())
         self.model = model
         self.device = p.device
@@ -108,6 +108,7 @@ class GraphDecoder:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.q_heads = int(cfg.num_attention_heads)
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self._pre, self._post = _layer_parts(compiled)
         self.rows = 0
         self.length = 0
         self.graphs: dict[tuple[int, int, int, _Sampling], Any] = {}
@@ -174,16 +175,7 @@ class GraphDecoder:
     def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: int, span: int,
                mask: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        shape = (b, 1, -1, self.head_dim)
-        q = attn.q_proj(h).view(shape)
-        k = attn.k_proj(h).view(shape)
-        if getattr(attn, "q_norm", None) is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = attn.v_proj(h).view(shape).transpose(1, 2)
-        q, k = self.rope(q, k, cos, sin)
+        q, k, v = self._pre(layer, x, cos, sin, self.rope, self.head_dim)
         self.k[i][:b].index_copy_(2, self.col, k)
         self.v[i][:b].index_copy_(2, self.col, v)
         # grouped-query attention of one new token: the query heads of a kv head are that head's "query length";
@@ -192,8 +184,7 @@ class GraphDecoder:
         qg = q.reshape(b, self.kv_heads, self.q_heads // self.kv_heads, self.head_dim)
         o = torch.nn.functional.scaled_dot_product_attention(
             qg, self.k[i][:b, :, :span], self.v[i][:b, :, :span], attn_mask=mask, scale=self.scaling)
-        x = x + attn.o_proj(o.reshape(b, 1, self.q_heads * self.head_dim))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._post(layer, x, o.reshape(b, 1, self.q_heads * self.head_dim))
 
     def _step(self, b: int, span: int, s: _Sampling) -> None:
         """One decode step over the first ``b`` rows, reading ``span`` cache columns; touches only static state."""
@@ -315,6 +306,40 @@ class GraphDecoder:
         return toks, lps
 
 
+def _pre_attention(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: Any,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer up to its attention, for one new token per row: (q, k, v) ``[b, heads, 1, head_dim]``."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    shape = (x.shape[0], 1, -1, head_dim)
+    q = attn.q_proj(h).view(shape)
+    k = attn.k_proj(h).view(shape)
+    if getattr(attn, "q_norm", None) is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    v = attn.v_proj(h).view(shape).transpose(1, 2)
+    q, k = rope(q, k, cos, sin)
+    return q, k, v
+
+
+def _post_attention(layer: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer after its attention output ``o`` ``[b, 1, heads * head_dim]``."""
+    x = x + layer.self_attn.o_proj(o)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _layer_parts(compiled: bool) -> tuple[Any, Any]:
+    """The two halves of a decode layer around the cache writes and the attention: plain, or (``rollout.hf_decoder:
+    compiled``) each ``torch.compile``d with dynamic shapes, so their small elementwise kernels (norms, RoPE, residual
+    adds, SiLU x up) fuse; the graph capture then records the compiled kernels. A compile failure runs them eagerly."""
+    if not compiled:
+        return _pre_attention, _post_attention
+    from relax_hpc.models.compiled import CompiledFn
+
+    return (CompiledFn(_pre_attention, "rollout.hf_decoder=compiled"),
+            CompiledFn(_post_attention, "rollout.hf_decoder=compiled"))
+
+
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) ``[B, kv_heads, width, head_dim]`` per layer of a transformers dynamic cache."""
     layers = getattr(cache, "layers", None)
@@ -330,6 +355,7 @@ def graph_decoder(owner: Any) -> GraphDecoder | None:
     held = getattr(owner, "_graph_decoder", None)  # (model, decoder or None)
     if held is None or held[0] is not model:
         p = next(model.parameters(), None)
-        held = (model, GraphDecoder(model) if p is not None and p.is_cuda and supported(model) else None)
+        ok = p is not None and p.is_cuda and supported(model)
+        held = (model, GraphDecoder(model, compiled=getattr(owner, "compile_decode", False)) if ok else None)
         owner._graph_decoder = held
     return held[1]

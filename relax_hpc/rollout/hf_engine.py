@@ -149,7 +149,9 @@ class HFEngine(RolloutEngine):
         """The module is the trainer's (colocate): :class:`SharedModule` is a valid weight source."""
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
-        self._loop: bool | None = None if decoder == "auto" else False  # decided at the first batch
+        self._loop: bool | None = None if decoder in ("auto", "compiled") else False  # decided at the first batch
+        self.compile_decode = decoder == "compiled"
+        """The CUDA-graph decode loop runs its layers' elementwise work compiled (``rollout.hf_decoder``)."""
         self._rng = np.random.default_rng(seed)
         self._cond = threading.Condition()
         self._incoming: list[_Unit] = []
