@@ -45,6 +45,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -88,18 +89,19 @@ class RunDir:
         return self.root / "config" / f"{role}.json"
 
     # ---------------------------------------------------------------- samples
-    @property
+    # The folders every shard write joins are computed once per RunDir (a writer makes three paths per shard).
+    @cached_property
     def samples(self) -> Path:
         return self.root / "samples"
 
-    @property
+    @cached_property
     def shards(self) -> Path:
         return self.samples / "shards"
 
     def writer_shards(self, writer_id: str) -> Path:
         return self.shards / writer_id
 
-    @property
+    @cached_property
     def announce(self) -> Path:
         """The announcements of published shards: one empty file ``<writer_id>.<shard name>`` per shard, created
         by its writer after the shard's rename (the planner lists this one folder instead of every writer's)."""
@@ -109,7 +111,7 @@ class RunDir:
         """The announcement of shard ``name`` of ``writer_id``."""
         return self.announce / f"{writer_id}.{name}"
 
-    @property
+    @cached_property
     def samples_tmp(self) -> Path:
         return self.samples / "tmp"
 

@@ -145,3 +145,18 @@ def test_run_batch_writes_groups_and_releases_the_claim(setup: SimpleNamespace) 
     assert d.counter == 3
     res2 = d.run_batch(setup.prompts[:1])
     assert res2.groups[0].group_id == "rollout-0.test:3"
+
+
+def test_version_spans_equal_each_trajectorys_version_range() -> None:
+    """The batch-level spans (one concatenation, two segment reductions) give what ``version_range`` gives per
+    sample: empty trajectories, context tokens (-1) only, context tokens among generated ones, versions not in
+    order."""
+    from relax_hpc.rollout.driver import Trajectory, version_spans
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        trajs = [Trajectory(versions=rng.integers(-1, 5, size=int(rng.integers(0, 7))).astype(np.int32))
+                 for _ in range(int(rng.integers(0, 10)))]
+        firsts, lasts = version_spans(trajs, 7)
+        assert list(zip(firsts, lasts)) == [t.version_range(7) for t in trajs]
+    assert version_spans([Trajectory(versions=np.array([-1, -1], np.int32)), Trajectory()], 3) == ([3, 3], [3, 3])

@@ -19,7 +19,6 @@ restarted worker does not repeat its predecessor's prompts.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from typing import Any, Literal
@@ -135,7 +134,9 @@ class RolloutWorker:
         return self.finished() or self.stop.is_set or drain_requested(self.run_dir, self.proc)
 
     def start(self) -> None:
-        gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s
+        from relax_hpc.modes.components import settle_gc
+
+        settle_gc()  # torch/transformers out of the collector; fewer young collections per step
         wait_for(lambda: self.sync.newest() is not None or self.finished() or self.stop.is_set,
                  what="the first weight snapshot", timeout_s=self.cfg.store.wait_timeout_s, logger=log)
         self.hb.beat(state="running", force=True)

@@ -16,7 +16,6 @@ corrects them). After every ``weights.publish_every`` steps the new weights are 
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -115,10 +114,11 @@ class AsyncTrainer:
         self.watch = samples_watch(run_dir)
 
     def run(self) -> int:
+        from relax_hpc.modes.components import settle_gc
         from relax_hpc.modes.trainer_role import end_trainer_role
 
         cfg, trainer, hb = self.cfg, self.trainer, self.r.hb
-        gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s
+        settle_gc()  # torch/transformers out of the collector; fewer young collections per step
         hb.beat(state="running", step=trainer.step, version=self.session.version, force=True)
         t_run = time.perf_counter()
         wait_total = 0.0

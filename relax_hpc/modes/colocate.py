@@ -11,7 +11,6 @@ every ``weights.publish_every`` steps, checkpoints every ``trainer.checkpoint_ev
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import uuid
 from typing import Any
@@ -77,7 +76,7 @@ class Colocate:
         if self.trainer.step == 0:
             self.session.publish()
         self.files = SnapshotFiles(self.session)  # generation uses the weights in memory: files for monitor/recovery
-        gc.freeze()  # ~400k objects of torch/transformers out of the collector: a full collection took ~0.5 s
+        C.settle_gc()  # torch/transformers out of the collector; fewer young collections per step
         r.hb.beat(state="running", step=self.trainer.step, version=self.session.version, force=True)
 
     def _on_engine_thread(self, fn: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 from dataclasses import dataclass
@@ -15,6 +16,21 @@ from relax_hpc.config.schema import RecipeConfig
 __all__ = ["check_backends"]
 
 log = logging.getLogger(__name__)
+
+
+YOUNG_GC_THRESHOLD = 20_000
+"""Net allocations between two collections of the youngest generation in a role's loop (Python's default: 700)."""
+
+
+def settle_gc() -> None:
+    """Before a role's loop: move everything allocated so far (~400k objects of torch/transformers) out of the
+    collector (a full collection took ~0.5 s, GIL held), and collect the youngest generation every
+    :data:`YOUNG_GC_THRESHOLD` net allocations. A demo step has ~2,000 short-lived objects alive at its peak (samples,
+    trajectories, their dicts): at the default 700 it ran ~3 young collections a step over them (~0.3 ms of a 50 ms
+    colocate step); objects freed by reference counting never reach a collection either way."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, older, oldest)
 
 
 def seed_everything(seed: int) -> None:

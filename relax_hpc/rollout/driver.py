@@ -26,6 +26,12 @@ from relax_hpc.rollout.engine import GenerateRequest, Prefix, RolloutEngine, Sam
 from relax_hpc.timing import PhaseTimer
 
 T = TypeVar("T")
+_INT32, _FLOAT32, _UINT8 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint8)
+
+
+def _typed(a: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """``a`` as ``dtype`` without a copy when it already is (the common case: no conversion call per sample)."""
+    return a if a.dtype is dtype else a.astype(dtype, copy=False)
 
 
 @dataclass
@@ -52,11 +58,11 @@ class Trajectory:
     @classmethod
     def from_output(cls, out: SampleOutput) -> Trajectory:
         """The trajectory of one engine call (its arrays are adopted, not copied)."""
-        return cls(token_ids=out.token_ids.astype(np.int32, copy=False),
-                   logprobs=out.logprobs.astype(np.float32, copy=False),
-                   versions=out.versions.astype(np.int32, copy=False),
-                   loss_mask=out.mask().astype(np.uint8, copy=False), finish_reason=out.finish_reason,
-                   timings=dict(out.timings), engine_calls=1)
+        mask = out.loss_mask
+        return cls(token_ids=_typed(out.token_ids, _INT32), logprobs=_typed(out.logprobs, _FLOAT32),
+                   versions=_typed(out.versions, _INT32),
+                   loss_mask=_typed(mask, _UINT8) if mask is not None else np.ones(len(out.token_ids), np.uint8),
+                   finish_reason=out.finish_reason, timings=dict(out.timings), engine_calls=1)
 
     def extend(self, out: SampleOutput) -> Trajectory:
         """Append the tokens of one engine call (each keeps its version)."""
@@ -115,7 +121,8 @@ class EpisodeContext:
         return f"{self.request_id}/{self._calls}"
 
     def request(self, prompt: Any, *, n: int, prefixes: list[Prefix] | None = None) -> GenerateRequest:
-        return GenerateRequest(self.next_id(), prompt.prompt_ids, replace(self.sampling, n=n),
+        sampling = self.sampling if n == self.sampling.n else replace(self.sampling, n=n)
+        return GenerateRequest(self.next_id(), prompt.prompt_ids, sampling,
                                multimodal=getattr(prompt, "multimodal", None), prefixes=prefixes,
                                media=getattr(prompt, "media", None),  # raw media, for server engines
                                engine_prompt_ids=getattr(prompt, "engine_prompt_ids", None))
@@ -256,6 +263,27 @@ class RolloutDriver:
         self._loop.close()
 
 
+def version_spans(trajs: Sequence[Trajectory], default: int) -> tuple[list[int], list[int]]:
+    """:meth:`Trajectory.version_range` of every trajectory at once: (oldest, newest) lists, over one concatenation
+    of the versions and two segment reductions instead of two reductions per sample."""
+    n = len(trajs)
+    lengths = np.fromiter((len(t.versions) for t in trajs), dtype=np.int64, count=n)
+    first, last = [default] * n, [default] * n
+    filled = np.flatnonzero(lengths)
+    if not len(filled):
+        return first, last
+    flat = np.concatenate([trajs[i].versions for i in filled.tolist()]).astype(np.int64, copy=False)
+    starts = np.zeros(len(filled), dtype=np.int64)
+    np.cumsum(lengths[filled][:-1], out=starts[1:])
+    generated = flat >= 0  # context tokens (-1) have no version
+    lo = np.minimum.reduceat(np.where(generated, flat, np.iinfo(np.int64).max), starts)
+    hi = np.maximum.reduceat(np.where(generated, flat, -1), starts)
+    for i, a, b in zip(filled.tolist(), lo.tolist(), hi.tolist()):
+        if b >= 0:  # else only context tokens: the default
+            first[i], last[i] = a, b
+    return first, last
+
+
 def build_groups(prompts: Sequence[Any], trajs: list[list[Trajectory]], result: Any, *, writer_id: str, counter: int,
                  default_version: int) -> tuple[list[Any], dict[str, float]]:
     """Store groups for scored trajectories. A group with a sample whose reward failed under ``on_error=drop`` is
@@ -267,23 +295,24 @@ def build_groups(prompts: Sequence[Any], trajs: list[list[Trajectory]], result: 
     k = 0
     rewards = np.asarray(result.rewards, dtype=np.float32)
     drop = np.asarray(getattr(result, "dropped", np.zeros(len(rewards), dtype=bool)))
-    extras = {name: np.asarray(v) for name, v in getattr(result, "extras", {}).items()}
+    extras = {name: np.asarray(v).tolist() for name, v in getattr(result, "extras", {}).items()}
+    firsts, lasts = version_spans([t for group in trajs for t in group], default_version)
+    reward_list = rewards.tolist()  # Python floats, as float(rewards[j]) gives
     for i, (prompt, group) in enumerate(zip(prompts, trajs)):
-        idx = list(range(k, k + len(group)))
+        idx = range(k, k + len(group))
         k += len(group)
-        if drop[idx].any():
+        if drop[idx.start:idx.stop].any():
             dropped += 1
             continue
         samples = []
         prompt_ids = np.asarray(prompt.prompt_ids, dtype=np.int32)  # once per group; the store only reads it
         prompt_meta = {"prompt": prompt.meta} if prompt.meta else {}
         for j, t in zip(idx, group):
-            first, last = t.version_range(default_version)
             own_prompt = prompt_ids if t.prompt_ids is None else np.asarray(t.prompt_ids, dtype=np.int32)
             samples.append(Sample(
                 prompt_ids=own_prompt, response_ids=t.token_ids,
-                logprobs=t.logprobs, loss_mask=t.loss_mask, reward=float(rewards[j]), version=first,
-                version_first=first, version_last=last, rewards={n: float(v[j]) for n, v in extras.items()},
+                logprobs=t.logprobs, loss_mask=t.loss_mask, reward=reward_list[j], version=firsts[j],
+                version_first=firsts[j], version_last=lasts[j], rewards={n: float(v[j]) for n, v in extras.items()},
                 timings=dict(t.timings), tensors=dict(prompt.multimodal or {}), turns=t.turns,
                 metadata={"finish_reason": t.finish_reason, **t.metadata, **prompt_meta},
             ))

@@ -569,17 +569,17 @@ class HFEngine(RolloutEngine):
         seqs = np.array(seqs, dtype=np.int32)  # one copy per batch: the samples own no torch memory
         logp = np.array(logp, dtype=np.float32)
         masks = np.ones((rows, width), dtype=np.uint8)
-        timings = {"generate": per_row}
+        ends = lengths.tolist()
         done: list[_Job] = []
         row = 0
         for u in batch.units:
             outs = []
             for j in u.samples:
-                n = int(lengths[row])
+                n = ends[row]
                 outs.append((j, SampleOutput(
                     token_ids=seqs[row, :n], logprobs=logp[row, :n], versions=versions[row, :n],
                     finish_reason=reasons[row], loss_mask=masks[row, :n],  # type: ignore[arg-type]
-                    timings=dict(timings))))
+                    timings={"generate": per_row})))
                 row += 1
             self._finish_unit(u.job, outs, done)
         self._complete_all(done)
