@@ -4,12 +4,15 @@ one-GPU check of the issue: NCCL refuses two ranks on one device); ``cuda`` NCCL
 tools/gpu/x2.sh runs it.
 
 Layouts: ``tied`` / ``untied`` = TP=2 (one replica), ``dp2`` = TP=1 x DP=2 (each rank trains on its share of the
-groups, as the store consumer would hand them out). Every rank builds the megatron backend from the same tiny HF
-model and, in the same process, the torch backend (one rank, all groups) from a copy of it, then writes what it
-measured to ``OUT/rank<r>.json``: the largest differences of the full logits and of the per-token log-probs of a
-packed micro-batch against the HF model, of this rank's GRPO-loss gradient shard (after the DP/TP reductions)
-against the torch backend's gradient sharded by the weight mapping, and the two backends' step losses over a few
-steps."""
+groups, as the store consumer would hand them out), all with megatron's distributed optimizer; ``dp2-adamw`` = DP=2
+with ``distributed_optimizer: false`` (torch's AdamW, replicated state). With the distributed optimizer the run also
+saves a ``dist_checkpointing`` checkpoint (``OUT/dist``) at the same step as the project's checkpoint.
+
+Every rank builds the megatron backend from the same tiny HF model and, in the same process, the torch backend (one
+rank, all groups) from a copy of it, then writes what it measured to ``OUT/rank<r>.json``: the largest differences of
+the full logits and of the per-token log-probs of a packed micro-batch against the HF model, of this rank's GRPO-loss
+gradient shard (after the DP/TP reductions) against the torch backend's gradient sharded by the weight mapping, and
+the two backends' step losses over a few steps."""
 
 from __future__ import annotations
 
@@ -45,10 +48,11 @@ def main(out: Path, layout: str) -> None:
     dist.init_process_group("nccl" if mode == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     tok = build_digits_tokenizer()
-    tp = 1 if layout == "dp2" else 2
+    tp = 1 if layout.startswith("dp2") else 2
     tied = layout != "untied"
     common = {"algorithm": {"loss_agg": "token_mean"}, "model": {"path": "tiny", "tiny": {"tie_embeddings": tied}}}
-    mcfg = make_cfg(trainer={"backend": "megatron", "num_ranks": world, "megatron": {"tp": tp}}, **common)
+    mc = {"tp": tp, "distributed_optimizer": layout != "dp2-adamw"}
+    mcfg = make_cfg(trainer={"backend": "megatron", "num_ranks": world, "megatron": mc}, **common)
     tcfg = make_cfg(**common)
     hf = build_tiny_model(tcfg.model.tiny, len(tok), seed=5, pad_token_id=tok.pad_token_id,
                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -57,7 +61,8 @@ def main(out: Path, layout: str) -> None:
                        tokenizer=tok, model=copy.deepcopy(hf))
     ref = make_backend(tcfg, rank=0, world_size=1, device=dev, dtype=torch.float32, algorithm=algo, tokenizer=tok,
                        model=copy.deepcopy(hf).to(dev))
-    res: dict[str, float | list[float]] = {"tp_size": meg.tp_size, "dp_size": meg.dp_size, "dp_rank": meg.dp_rank}
+    res: dict[str, float | list[float]] = {"tp_size": meg.tp_size, "dp_size": meg.dp_size, "dp_rank": meg.dp_rank,
+                                           "dist_opt": float(meg.dist_opt)}
     ids = torch.as_tensor([[1, 5, 9, 4, 17, 13, 6, 7], [2, 3, 4, 5, 6, 7, 8, 9]])
     with torch.no_grad():
         res["logits"] = float((meg.logits(ids.to(dev)).cpu() - hf(input_ids=ids).logits).abs().max())
@@ -85,6 +90,8 @@ def main(out: Path, layout: str) -> None:
 
         save_checkpoint(RunDir.create(out / "run"), meg.step, model_sd=model_sd, optim_sd=optim_sd,
                         state={"store_position": {"writers": {}}})
+    if meg.dist_opt:
+        meg.save_dist_checkpoint(out / "dist")  # every rank writes its shards
     res["full_keys_rank0_only"] = len(meg.full_state_dict())  # publishing: only rank 0 gets the tensors
     meg.state_on_every_rank = True  # what colocate sets: every rank's engine needs the whole model
     full = meg.full_state_dict()
@@ -100,7 +107,8 @@ def main(out: Path, layout: str) -> None:
 def _grad_difference(meg: object, ref: object, share: list, items: list) -> float:
     """The largest difference (relative to the largest element) of this rank's megatron gradient shard on its
     ``share`` of ``items`` (after the DP/TP reductions) from the torch backend's gradient on all ``items``, sharded
-    by the weight mapping."""
+    by the weight mapping. With the distributed optimizer, the gradients are reduce-scattered: only this rank's
+    ranges of each parameter hold the sum, and only those are compared."""
     meg.begin_step()
     meg.accumulate(copy.deepcopy(share))
     meg._finalize_grads()
@@ -110,7 +118,16 @@ def _grad_difference(meg: object, ref: object, share: list, items: list) -> floa
     mc = meg.cfg.trainer.megatron
     want = hf_to_megatron(grads, meg.shape, tp=mc.tp, tp_rank=meg.tp_rank, vocab_multiple=mc.vocab_multiple)
     assert want.keys() == meg.params.keys(), (sorted(want), sorted(meg.params))
-    diff = max(float((meg.params[n].main_grad - g).abs().max()) for n, g in want.items())
+    owned = {n: slice(None) for n in want}
+    if meg.dist_opt:
+        from relax_hpc.trainer.megatron.optim import _ranges
+
+        ranges = {id(p): r for _, p, r in _ranges(meg.optimizer, list(meg.params.values()))}
+        owned = {n: slice(0, 0) if ranges[id(p)] is None else slice(ranges[id(p)].start, ranges[id(p)].end)
+                 for n, p in meg.params.items()}
+    assert sum(len(range(meg.params[n].numel())[owned[n]]) for n in want) > 0
+    diff = max(float((meg.params[n].main_grad.view(-1)[owned[n]] - g.reshape(-1)[owned[n]]).abs().max())
+               if owned[n] != slice(0, 0) else 0.0 for n, g in want.items())
     scale = max(float(g.abs().max()) for g in want.values())
     meg.begin_step()
     ref.begin_step()

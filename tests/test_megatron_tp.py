@@ -1,6 +1,8 @@
 """The megatron backend as two real processes (torchrun, gloo on the CPU), at TP=2 (tied and untied embeddings) and
-at TP=1 x DP=2: logits and per-token log-probs equal the HF model's, GRPO-loss gradients and step losses equal the
-torch backend's on the whole batch (tests/megatron_tp_worker.py)."""
+at TP=1 x DP=2 (megatron's distributed optimizer, and torch's AdamW): logits and per-token log-probs equal the HF
+model's, GRPO-loss gradients and step losses equal the torch backend's on the whole batch
+(tests/megatron_tp_worker.py); the two-rank checkpoints (the project's, and megatron's dist_checkpointing one)
+load into one TP=1 x DP=1 rank bit for bit."""
 
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ ON_ONE_GPU = pytest.param("cuda-shared", marks=[pytest.mark.gpu, pytest.mark.ski
 
 
 @pytest.mark.parametrize("device", ["cpu", ON_ONE_GPU])
-@pytest.mark.parametrize("layout", ["tied", "untied", "dp2"])
+@pytest.mark.parametrize("layout", ["tied", "untied", "dp2", "dp2-adamw"])
 def test_two_ranks_match_hf_and_the_torch_backend(tmp_path: Path, layout: str, device: str) -> None:
     """``cuda-shared``: the two ranks share the one GPU over gloo (TP layouts only: two data-parallel replicas
     need megatron DDP's coalesced all-reduce of CUDA gradient buffers, which gloo lacks; DP on GPUs is NCCL)."""
-    if device == "cuda-shared" and layout == "dp2":
+    if device == "cuda-shared" and layout.startswith("dp2"):
         pytest.skip("two replicas on one GPU over gloo: gloo has no coalesced all-reduce of CUDA tensors")
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "MEGATRON_TP_DEVICE": device}
@@ -46,7 +48,8 @@ def test_two_ranks_match_hf_and_the_torch_backend(tmp_path: Path, layout: str, d
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, r in enumerate(ranks):
-        if layout == "dp2":  # two replicas: each reads its own groups
+        assert r["dist_opt"] == float(layout != "dp2-adamw")
+        if layout.startswith("dp2"):  # two replicas: each reads its own groups
             assert (r["tp_size"], r["dp_size"], r["dp_rank"]) == (1, 2, rank)
         else:  # one replica: both TP ranks read the same groups
             assert (r["tp_size"], r["dp_size"], r["dp_rank"]) == (2, 1, 0)
@@ -72,7 +75,9 @@ def test_two_ranks_match_hf_and_the_torch_backend(tmp_path: Path, layout: str, d
 
 def _resumes_at_tp1(run: Path, layout: str) -> None:
     """The two-rank run's checkpoint (HF-named model and AdamW moments) loads into a one-rank TP=1 backend (in a
-    fresh process): its weights and moments are the checkpoint's, bit for bit, and it trains on."""
+    fresh process): its weights and moments are the checkpoint's, bit for bit, and it trains on. The distributed
+    optimizer's dist_checkpointing checkpoint of the same step (DP=2, or TP=2) loads at DP=1 (TP=1 x DP=1 only from
+    DP=2: dp_reshardable changes the data-parallel size, not the TP size), bit for bit too."""
     code = f"""
 import torch
 from backend_conformance import make_cfg, make_items
@@ -96,6 +101,16 @@ assert back.keys() == osd["state"].keys()
 assert all(torch.equal(back[k][f], osd["state"][k][f]) for k in back for f in ("exp_avg", "exp_avg_sq", "step"))
 m = b.train_step(make_items(8, seed=3))
 assert m["train/loss"] == m["train/loss"] and b.step == 1
+if {layout == "dp2"}:
+    c = make_backend(cfg, rank=0, world_size=1, device="cpu", dtype=torch.float32, algorithm=get_algorithm("grpo"),
+                     tokenizer=tok, model=build_tiny_model(cfg.model.tiny, len(tok), seed=4,
+                                                           pad_token_id=tok.pad_token_id))
+    c.load_dist_checkpoint({str(run.parent / "dist")!r})
+    sd = c.full_state_dict()
+    assert sd.keys() == msd.keys() and all(torch.equal(sd[k], msd[k]) for k in sd)
+    back = c.checkpoint_state()[1]["state"]
+    assert all(torch.equal(back[k][f], osd["state"][k][f]) for k in back for f in ("exp_avg", "exp_avg_sq", "step"))
+    print("dist resumed")
 print("resumed")
 """
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "PYTHONWARNINGS": "ignore",
@@ -103,3 +118,4 @@ print("resumed")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "resumed" in proc.stdout, proc.stderr[-3000:]
+    assert ("dist resumed" in proc.stdout) == (layout == "dp2")

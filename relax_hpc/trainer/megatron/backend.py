@@ -14,13 +14,20 @@ the norm over the unique parameters (all-reduced over TP), and steps AdamW.
 
 Choices forced by megatron-core 0.16.1 (the newest for Python 3.11), each to revisit on the GPU:
 
-- Optimizer: megatron's optimizers (the distributed one too) allocate CUDA tensors in their constructors, so the
-  backend steps ``torch.optim.AdamW`` over the DDP float32 gradient buffers; the optimizer state is replicated over
-  the data-parallel replicas (``trainer.megatron.distributed_optimizer`` is not applied yet; one warning says so).
+- Optimizer: with ``trainer.megatron.distributed_optimizer`` (the default), megatron's distributed optimizer
+  (:mod:`relax_hpc.trainer.megatron.optim`): AdamW state and float32 main weights sharded over the data-parallel
+  ranks, gradients reduce-scattered, weights all-gathered; on a machine without CUDA through a shim of
+  megatron's CUDA-only tensor factories (``optim.cpu_optimizer_shim``). Without it, ``torch.optim.AdamW`` over the
+  DDP float32 gradient buffers, its state replicated over the data-parallel replicas.
 - Pipeline parallelism: megatron's pipeline schedule needs CUDA; ``pp > 1`` is refused when the backend is built.
 - Checkpoints: the project's checkpoint format (``relax_hpc.trainer.checkpoint``): the whole model and the AdamW
-  moments under HF names (gathered over TP through the weight mapping), so a checkpoint resumes at any TP/DP size
-  and in either backend; megatron's ``dist_checkpointing`` needs the distributed optimizer's sharding metadata.
+  moments under HF names (gathered over TP through the weight mapping, and over DP from the distributed optimizer's
+  ranges; with bfloat16 weights the float32 main weights too, as the moment ``main_param``), so a checkpoint
+  resumes at any TP/DP size and in either backend. With the distributed optimizer,
+  :meth:`MegatronBackend.save_dist_checkpoint` / :meth:`~MegatronBackend.load_dist_checkpoint` write and read
+  megatron's ``dist_checkpointing`` format instead (every rank its own shards; loads at another DP size).
+- Recompute: ``model.gradient_checkpointing`` recomputes every transformer layer in the backward pass (megatron's
+  ``recompute_granularity="full"``, ``recompute_method="uniform"``, one layer per checkpoint).
 
 Weights leave under HF names: the TP shards are all-gathered layer by layer and regrouped by the mapping
 (:meth:`MegatronBackend.state_buckets` streams them a layer at a time); data-parallel replica 0's TP rank 0 (global
@@ -29,6 +36,7 @@ rank 0) gets them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -152,6 +160,7 @@ class MegatronBackend(TorchBackend):
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), mc.tp
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         self.ref_model, self.teacher = ref_model, teacher
+        self.dist_opt = mc.distributed_optimizer
         temp = cfg.rollout.sampling.temperature
         self.temperature = temp if temp > 0 else 1.0
         self._hf_config = hf_model.config
@@ -160,11 +169,14 @@ class MegatronBackend(TorchBackend):
         self.gpt, self.model = self._build_model(hf_model, torch.device(device))
         self.params = dict(self.gpt.named_parameters())
         t = cfg.trainer
-        if mc.distributed_optimizer and rank == 0:
-            log.warning("trainer.megatron.distributed_optimizer is not applied yet: AdamW with the state replicated "
-                        "over the data-parallel replicas")
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=tuple(t.betas),
-                                           weight_decay=t.weight_decay, foreach=False)
+        if self.dist_opt:
+            from relax_hpc.trainer.megatron.optim import build_distributed_optimizer
+
+            self.optimizer = build_distributed_optimizer(t, self.model, dtype)
+        else:
+            self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=tuple(t.betas),
+                                               weight_decay=t.weight_decay, foreach=False)
+        self._compiled = contextlib.nullcontext  # the torch backend's compiled HF layers do not apply here
         self.step = 0
         self._keys: list[str] | None = None
         self.begin_step()
@@ -181,7 +193,8 @@ class MegatronBackend(TorchBackend):
         from relax_hpc.trainer.megatron.layers import PackedCoreAttention
 
         mc = self.cfg.trainer.megatron
-        args = model_args(self._hf_config.to_dict(), tp=mc.tp, pp=mc.pp, vocab_multiple=mc.vocab_multiple)
+        args = model_args(self._hf_config.to_dict(), tp=mc.tp, pp=mc.pp, vocab_multiple=mc.vocab_multiple,
+                          recompute=self.cfg.model.gradient_checkpointing)
         tc = TransformerConfig(**args.transformer, activation_func=getattr(torch.nn.functional, args.activation),
                                use_cpu_initialization=True, perform_initialization=False,
                                params_dtype=self.dtype, bf16=self.dtype == torch.bfloat16)
@@ -195,8 +208,7 @@ class MegatronBackend(TorchBackend):
         missing = [k for k in missing if not k.endswith("_extra_state")]
         assert not missing and not unexpected, (missing, unexpected)
         gpt.to(device)
-        ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(**{**ddp_args(self.cfg.trainer),
-                                                                           "use_distributed_optimizer": False}), gpt)
+        ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(**ddp_args(self.cfg.trainer)), gpt)
         return gpt, ddp.train()
 
     # ------------------------------------------------------------------ forward
@@ -284,7 +296,7 @@ class MegatronBackend(TorchBackend):
                               "loss": self._unit_loss})
         divisor = max(n["tok"] if self.cfg.algorithm.loss_agg == "token_mean" else n["seq"], 1.0)
         lr = self._lr()
-        for g in self.optimizer.param_groups:
+        for g in self.optimizer.param_groups:  # megatron's optimizer: every group of every chained optimizer
             g["lr"] = lr
         grad_norm = self._apply_gradient(self.optimizer, divisor)
         self.step += 1
@@ -301,14 +313,20 @@ class MegatronBackend(TorchBackend):
         """The accumulated gradient summed over DP replicas (and the QK-norm parts over TP: megatron's
         ``finalize_model_grads``), divided by ``divisor``, clipped; ``optimizer`` steps unless its norm is not
         finite; the gradients zeroed. Returns the gradient norm before clipping."""
-        self._finalize_grads()
+        self._finalize_grads()  # with the distributed optimizer, each rank's ranges are reduce-scattered
         for p in self.params.values():  # DDP sums over replicas (calculate_per_token_loss)
             g = p.main_grad.mul_(1.0 / divisor)
-            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # bf16 weights: AdamW on them, as the torch backend
-        grad_norm = self._clip_grad_norm(self.cfg.trainer.grad_clip)
-        if math.isfinite(grad_norm):
-            optimizer.step()
+            if optimizer is not self.optimizer or not self.dist_opt:
+                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # bf16 weights: AdamW on them, as torch's
+        if self.dist_opt and optimizer is self.optimizer:
+            from relax_hpc.trainer.megatron.optim import step
+
+            grad_norm = step(optimizer, self.cfg.trainer.grad_clip)
         else:
+            grad_norm = self._clip_grad_norm(self.cfg.trainer.grad_clip)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+        if not math.isfinite(grad_norm):
             log.warning("non-finite gradient norm at step %d: update skipped", self.step)
         self._zero_grads()
         return grad_norm
@@ -334,6 +352,8 @@ class MegatronBackend(TorchBackend):
         self.model.zero_grad_buffer()
         for p in self.params.values():
             p.grad = None
+        if self.dist_opt and hasattr(self, "optimizer"):
+            self.optimizer.zero_grad()  # the main weights' .grad (views of the buffers' ranges)
 
     def _clip_grad_norm(self, max_norm: float) -> float:
         """The L2 norm of the whole model's gradient (each TP-sharded parameter's shards once, a replicated one
@@ -377,7 +397,13 @@ class MegatronBackend(TorchBackend):
 
         if steps <= 0:
             return {}
-        opt = torch.optim.AdamW(list(self.params.values()), lr=lr, foreach=False)
+        if self.dist_opt:  # the RL optimizer with torch's AdamW defaults for the warm-up, fresh state afterwards
+            opt = self.optimizer
+            saved = [{k: g[k] for k in ("lr", "betas", "weight_decay")} for g in opt.param_groups]
+            for g in opt.param_groups:
+                g.update(lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+        else:
+            opt = torch.optim.AdamW(list(self.params.values()), lr=lr, foreach=False)
         t0, temperature, loss = time.perf_counter(), self.temperature, float("nan")
         self.temperature = 1.0
         try:
@@ -397,6 +423,12 @@ class MegatronBackend(TorchBackend):
                 loss = self._all_reduce({"loss": total})["loss"] / max(n_tok, 1.0)
         finally:
             self.temperature = temperature
+            if self.dist_opt:
+                from relax_hpc.trainer.megatron.optim import reset_state
+
+                for g, hp in zip(opt.param_groups, saved, strict=True):
+                    g.update(hp)
+                reset_state(opt)
         return {"warmup/loss": loss, "warmup/steps": float(steps), "warmup/seconds": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ weights out
@@ -415,6 +447,8 @@ class MegatronBackend(TorchBackend):
 
         every = self.state_on_every_rank
         if self.dp_rank != 0 and not every:
+            for _ in units:  # made anyway: the distributed optimizer's moments are all-reduced over DP per unit
+                pass
             return
         n = self.shape.num_layers
         for i, unit in enumerate(units):
@@ -481,25 +515,54 @@ class MegatronBackend(TorchBackend):
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(model, AdamW state) under HF names, whole tensors on rank 0 (module docstring: any TP/DP resumes)."""
+        """(model, AdamW state) under HF names, whole tensors on rank 0 (module docstring: any TP/DP resumes). With
+        the distributed optimizer the moments are made whole over DP a layer at a time (every rank calls)."""
         model_sd = self.full_state_dict()
         state: dict[str, dict[str, Any]] = {}
-        keys = ("exp_avg", "exp_avg_sq")
-        have = all(self.optimizer.state.get(p) for p in self.params.values())
-        if have:
-            steps = {float(self.optimizer.state[p]["step"]) for p in self.params.values()}
-            assert len(steps) == 1, steps
-            for key in keys:
-                moments = self._units_of({n: self.optimizer.state[p][key] for n, p in self.params.items()})
-                for part in self._hf_units(moments, weights=False):
+        step = self._optimizer_step()
+        if step is not None:
+            for key in self._moment_keys():
+                for part in self._hf_units(self._moment_units(key), weights=False):
                     for name, t in part.items():
                         state.setdefault(name, {})[key] = t
-            step = self.optimizer.state[next(iter(self.params.values()))]["step"]
             for st in state.values():
                 st["step"] = step.detach().clone()
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": sorted(model_sd)}
                   for g in self.optimizer.param_groups]
         return model_sd, {"state": state, "param_groups": groups}
+
+    def _moment_keys(self) -> tuple[str, ...]:
+        """The per-parameter optimizer tensors a checkpoint holds: the Adam moments, and the distributed optimizer's
+        float32 main weights where the model's are not float32 (``main_param``)."""
+        import torch
+
+        extra = ("main_param",) if self.dist_opt and self.dtype != torch.float32 else ()
+        return ("exp_avg", "exp_avg_sq", *extra)
+
+    def _optimizer_step(self) -> Any:
+        """AdamW's step counter, or None before the first step (no state yet)."""
+        if self.dist_opt:
+            from relax_hpc.trainer.megatron.optim import has_state, step_count
+
+            return step_count(self.optimizer) if has_state(self.optimizer) else None
+        if not all(self.optimizer.state.get(p) for p in self.params.values()):
+            return None
+        steps = {float(self.optimizer.state[p]["step"]) for p in self.params.values()}
+        assert len(steps) == 1, steps
+        return self.optimizer.state[next(iter(self.params.values()))]["step"]
+
+    def _moment_units(self, key: str) -> Iterator[dict[str, Any]]:
+        """Optimizer tensor ``key`` of every parameter (whole over DP), per unit of the HF layout (layer by layer:
+        the distributed optimizer's ranges are all-reduced one unit at a time)."""
+        if not self.dist_opt:
+            yield from self._units_of({n: self.optimizer.state[p][key] for n, p in self.params.items()})
+            return
+        from relax_hpc.trainer.megatron.optim import gather_moments
+
+        internal = "param" if key == "main_param" else key
+        for unit in self._units_of(self.params):
+            whole = gather_moments(self.optimizer, self.dp_group, (internal,), params=list(unit.values()))
+            yield {name: whole[p][internal] for name, p in unit.items()}
 
     def _units_of(self, tensors: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Per-parameter tensors (keyed by megatron parameter name) grouped per unit of the HF layout: layer 0
@@ -517,7 +580,9 @@ class MegatronBackend(TorchBackend):
             yield unit
 
     def load_checkpoint_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
-        """This rank's shards of a whole HF-named model (and AdamW state) from :meth:`checkpoint_state`."""
+        """This rank's shards of a whole HF-named model (and AdamW state) from :meth:`checkpoint_state`; with the
+        distributed optimizer, this rank's ranges of the moments (and of the float32 main weights: the
+        checkpoint's ``main_param`` where it has them, else the loaded weights)."""
         import torch
 
         mc = self.cfg.trainer.megatron
@@ -525,17 +590,52 @@ class MegatronBackend(TorchBackend):
         def shard(hf_sd: dict[str, Any]) -> dict[str, Any]:
             return hf_to_megatron(hf_sd, self.shape, tp=mc.tp, tp_rank=self.tp_rank, vocab_multiple=mc.vocab_multiple)
 
+        st = (optim_sd or {}).get("state") or {}
+        if self.dist_opt:
+            from relax_hpc.trainer.megatron.optim import ensure_state, scatter_moments, sync_main_params
+
+            if st:
+                ensure_state(self.optimizer)  # before the weights: it takes one zero-gradient step
         with torch.no_grad():
             for name, t in shard(model_sd).items():
                 self.params[name].copy_(t)
-        if not optim_sd or not optim_sd.get("state"):
+        if self.dist_opt:
+            sync_main_params(self.optimizer)
+        if not st:
             return
-        st = optim_sd["state"]
-        moments = {key: shard({name: s[key] for name, s in st.items()}) for key in ("exp_avg", "exp_avg_sq")}
+        keys = [k for k in ("exp_avg", "exp_avg_sq", "main_param") if k in next(iter(st.values()))]
+        moments = {key: shard({name: s[key] for name, s in st.items()}) for key in keys}
         step = next(iter(st.values()))["step"]
-        for name, p in self.params.items():
-            self.optimizer.state[p] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
-                                       "exp_avg": moments["exp_avg"][name].to(p.device, p.dtype),
-                                       "exp_avg_sq": moments["exp_avg_sq"][name].to(p.device, p.dtype)}
+        if self.dist_opt:
+            tensors = {p: {("param" if k == "main_param" else k): moments[k][name] for k in keys}
+                       for name, p in self.params.items()}
+            scatter_moments(self.optimizer, tensors, step)
+        else:
+            for name, p in self.params.items():
+                self.optimizer.state[p] = {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
+                                           "exp_avg": moments["exp_avg"][name].to(p.device, p.dtype),
+                                           "exp_avg_sq": moments["exp_avg_sq"][name].to(p.device, p.dtype)}
         for g, saved in zip(self.optimizer.param_groups, optim_sd.get("param_groups", []), strict=False):
             g.update({k: v for k, v in saved.items() if k != "params"})
+
+    # ------------------------------------------------------------------ megatron's own checkpoints
+    def save_dist_checkpoint(self, path: Path | str) -> None:
+        """The model and the distributed optimizer in megatron's ``dist_checkpointing`` format (``dp_reshardable``:
+        every rank writes its own shards; :meth:`load_dist_checkpoint` reads them at another data-parallel size,
+        the same TP size). Every rank calls. Needs ``trainer.megatron.distributed_optimizer``."""
+        from relax_hpc.trainer.megatron.optim import save_dist_checkpoint
+
+        self._need_dist_opt("save_dist_checkpoint")
+        save_dist_checkpoint(path, self.model, self.optimizer)
+
+    def load_dist_checkpoint(self, path: Path | str) -> None:
+        """What :meth:`save_dist_checkpoint` wrote (weights, main weights, moments, step counter). Every rank calls."""
+        from relax_hpc.trainer.megatron.optim import load_dist_checkpoint
+
+        self._need_dist_opt("load_dist_checkpoint")
+        load_dist_checkpoint(path, self.model, self.optimizer)
+
+    def _need_dist_opt(self, what: str) -> None:
+        if not self.dist_opt:
+            raise UserError(f"{what}: megatron's dist_checkpointing holds the distributed optimizer's state; set "
+                            "trainer.megatron.distributed_optimizer: true (the project's checkpoints work either way)")

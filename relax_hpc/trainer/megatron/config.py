@@ -47,8 +47,10 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def model_args(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, vocab_multiple: int = 128) -> ModelArgs:
-    """The ``TransformerConfig`` and ``GPTModel`` keyword arguments of HF config ``hf`` (checked first)."""
+def model_args(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, vocab_multiple: int = 128,
+               recompute: bool = False) -> ModelArgs:
+    """The ``TransformerConfig`` and ``GPTModel`` keyword arguments of HF config ``hf`` (checked first).
+    ``recompute``: every layer's activations recomputed in the backward pass (full, uniform, one layer each)."""
     shape = ModelShape.from_hf(hf)
     check_layout(shape, tp=tp, pp=pp)
     table = shape.table
@@ -66,6 +68,8 @@ def model_args(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, vocab_multipl
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "calculate_per_token_loss": True,
         "bias_activation_fusion": False, "masked_softmax_fusion": False, "apply_rope_fusion": False,
     }
+    if recompute:
+        transformer.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     gpt = {
         "vocab_size": padded_vocab_size(shape.vocab_size, tp, vocab_multiple),
         "max_sequence_length": int(hf.get("max_position_embeddings", 4096)),
@@ -85,9 +89,10 @@ def optimizer_args(trainer: TrainerConfig) -> dict[str, Any]:
 
 
 def ddp_args(trainer: TrainerConfig) -> dict[str, Any]:
-    """megatron-core's ``DistributedDataParallelConfig`` kwargs (gradients reduced in float32)."""
+    """megatron-core's ``DistributedDataParallelConfig`` kwargs (gradients reduced in float32, after the last
+    micro-batch: the step's gradient is summed over micro-batches first)."""
     return {"use_distributed_optimizer": trainer.megatron.distributed_optimizer, "grad_reduce_in_fp32": True,
-            "check_for_nan_in_grad": True}
+            "overlap_grad_reduce": False, "check_for_nan_in_grad": True}
 
 
 def check_ranks(num_ranks: int, *, tp: int, pp: int) -> None:

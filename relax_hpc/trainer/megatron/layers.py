@@ -12,7 +12,8 @@
   (differentiable: megatron's ``reduce_from_tensor_model_parallel_region``). Tokens are processed in chunks, so
   no float32 copy of the whole ``[tokens, V / tp]`` logits is made beyond one chunk's.
 - :func:`cpu_shim`: megatron-core 0.16 moves the RoPE frequencies to ``torch.cuda.current_device()``; on a
-  machine without CUDA that call raises, and returns ``"cpu"`` after the shim.
+  machine without CUDA that call raises, and returns ``"cpu"`` after the shim; recompute's CUDA RNG bookkeeping
+  finds an empty state.
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ CHUNK_TOKENS = 4096
 
 
 def cpu_shim() -> None:
-    """``torch.cuda.current_device()`` returns ``"cpu"`` where torch has no CUDA (it raises otherwise)."""
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    """Where torch has no CUDA: ``torch.cuda.current_device()`` returns ``"cpu"`` (it raises otherwise), and
+    megatron's recompute (``tensor_parallel.checkpoint``), which saves and restores the CUDA RNG state around each
+    recomputed layer, finds an empty one (the models here have no dropout; the CPU RNG is still restored)."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 class PackedCoreAttention(MegatronModule):
