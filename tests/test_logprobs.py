@@ -81,8 +81,30 @@ def items(vocab: int, n: int = 6):
     return out
 
 
+@pytest.fixture
+def chunk_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked head also for the tiny test models' small logits."""
+    from relax_hpc.trainer import logprobs as L
+
+    monkeypatch.setattr(L, "SMALL_LOGITS", 0)
+
+
+def test_small_logits_take_the_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A micro-batch whose [tokens, vocabulary] logits are small skips the chunks (they only add Python there)."""
+    from relax_hpc.trainer import logprobs as L
+    from relax_hpc.trainer.batch import build_micro_batch
+
+    model = tiny_model()
+    mb = build_micro_batch(items(40))
+    elements = mb.targets.numel() * 40
+    monkeypatch.setattr(L, "SMALL_LOGITS", elements + 1)
+    assert not chunked_supported(model, mb)
+    monkeypatch.setattr(L, "SMALL_LOGITS", elements)
+    assert chunked_supported(model, mb)
+
+
 @pytest.mark.parametrize("rows", [False, True])
-def test_model_path_matches_full_logits(rows: bool) -> None:
+def test_model_path_matches_full_logits(rows: bool, chunk_small: None) -> None:
     from relax_hpc.trainer.batch import build_micro_batch, response_logits
 
     model = tiny_model()
@@ -102,7 +124,7 @@ def test_model_path_matches_full_logits(rows: bool) -> None:
         assert torch.allclose(ours[k], p.grad, atol=1e-5, rtol=1e-4), k
 
 
-def test_trainer_step_same_loss_and_update() -> None:
+def test_trainer_step_same_loss_and_update(chunk_small: None) -> None:
     """One TorchTrainer step with the chunked head and one with the full-logits path: same metrics, same weights."""
     from relax_hpc.algorithms.registry import get_algorithm
     from relax_hpc.config.load import validate_dict

@@ -172,11 +172,18 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     return logp, (ent if with_entropy else None)
 
 
+SMALL_LOGITS = 1 << 22
+"""Below this many ``[tokens, vocabulary]`` elements (16 MB in float32) a micro-batch's full logits are cheaper than
+the chunked head's custom autograd function (tiny models: the chunks only add Python per micro-batch)."""
+
+
 def chunked_supported(model: Any, mb: Any, *, world_size: int = 1) -> bool:
-    """True when the chunked head applies: a plain ``*ForCausalLM`` with ``.model`` and a bias-free ``lm_head``,
-    one rank (FSDP-sharded root weights are only gathered by the full forward), no multimodal inputs and no
-    logit soft-capping or scaling."""
-    return not mb.model_kwargs and model_supported(model, world_size=world_size)
+    """True when the chunked head applies and pays: a plain ``*ForCausalLM`` with ``.model`` and a bias-free
+    ``lm_head``, one rank (FSDP-sharded root weights are only gathered by the full forward), no multimodal inputs, no
+    logit soft-capping or scaling, and full logits of at least :data:`SMALL_LOGITS` elements."""
+    if mb.model_kwargs or not model_supported(model, world_size=world_size):
+        return False
+    return mb.targets.numel() * model.lm_head.weight.shape[0] >= SMALL_LOGITS
 
 
 def model_supported(model: Any, *, world_size: int = 1) -> bool:
