@@ -52,7 +52,8 @@ def make_lengths(batch: int, seq_len: int, seed: int = 0) -> list[int]:
     return [int(x) for x in rng.integers(seq_len // 2, seq_len + 1, size=batch)]
 
 
-def bench_plain_hf(model: Any, lengths: list[int], vocab: int, device: str, iters: int) -> dict[str, float]:
+def bench_plain_hf(model: Any, lengths: list[int], vocab: int, device: str, iters: int,
+                   warmup: int = 1) -> dict[str, float]:
     import torch
 
     B, L = len(lengths), max(lengths)
@@ -70,7 +71,7 @@ def bench_plain_hf(model: Any, lengths: list[int], vocab: int, device: str, iter
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    dt = _timed(step, iters, device)
+    dt = _timed(step, iters, device, warmup)
     real = sum(lengths)
     return {"tokens_per_s": real / dt, "step_s": dt, "padding_fraction": 1 - real / (B * L)}
 
@@ -97,29 +98,31 @@ def _bench_cfg(micro_tokens: int, backend: str) -> Any:
                                       "backend": backend}})
 
 
-def bench_backend(tr: Any, items: list[Any], device: str, iters: int) -> dict[str, Any]:
+def bench_backend(tr: Any, items: list[Any], device: str, iters: int, warmup: int = 1) -> dict[str, Any]:
     """tokens/s of ``tr.train_step(items)`` (a trainer backend)."""
     box: dict[str, Any] = {}
 
     def step() -> None:
         box["m"] = tr.train_step(items)
 
-    dt = _timed(step, iters, device)
+    dt = _timed(step, iters, device, warmup)
     m = box["m"]
     return {"tokens_per_s": sum(it.num_tokens for it in items) / dt, "step_s": dt,
             "padding_fraction": m["train/padding_fraction"], "micro_batches": m["train/num_micro_batches"]}
 
 
-def bench_ours(model: Any, lengths: list[int], vocab: int, device: str, iters: int, micro_tokens: int) -> dict:
+def bench_ours(model: Any, lengths: list[int], vocab: int, device: str, iters: int, micro_tokens: int,
+               warmup: int = 1) -> dict:
     from relax_hpc.algorithms.registry import get_algorithm
     from relax_hpc.trainer.torch_trainer import TorchTrainer
 
     tr = TorchTrainer(_bench_cfg(micro_tokens, "torch"), model, device=device, dtype=next(model.parameters()).dtype,
                       algorithm=get_algorithm("grpo"))
-    return bench_backend(tr, make_items(lengths, vocab), device, iters)
+    return bench_backend(tr, make_items(lengths, vocab), device, iters, warmup)
 
 
-def bench_megatron(model: Any, lengths: list[int], vocab: int, device: str, iters: int, micro_tokens: int) -> dict:
+def bench_megatron(model: Any, lengths: list[int], vocab: int, device: str, iters: int, micro_tokens: int,
+                   warmup: int = 1) -> dict:
     """The megatron backend (TP=1, one in-process rank) built from ``model``'s weights (moved to the CPU first, so
     the phase's peak memory is the megatron model's own)."""
     from relax_hpc.algorithms.registry import get_algorithm
@@ -131,7 +134,9 @@ def bench_megatron(model: Any, lengths: list[int], vocab: int, device: str, iter
     model.to("cpu")
     tr = build(_bench_cfg(micro_tokens, "megatron"), rank=0, world_size=1, device=device, dtype=dtype,
                algorithm=get_algorithm("grpo"), tokenizer=None, model=model)
-    return bench_backend(tr, make_items(lengths, vocab), device, iters)
+    res = bench_backend(tr, make_items(lengths, vocab), device, iters, warmup)
+    res["optimizer"] = type(tr.optimizer).__name__  # ChainedOptimizer: megatron's distributed optimizer
+    return res
 
 
 def _peak_memory_gb(device: str) -> float:
@@ -153,10 +158,12 @@ def _reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _timed(fn: Any, iters: int, device: str) -> float:
+def _timed(fn: Any, iters: int, device: str, warmup: int = 1) -> float:
+    """Seconds per call of ``fn`` over ``iters`` calls, after ``warmup`` untimed calls."""
     import torch
 
-    fn()  # warm-up
+    for _ in range(warmup):
+        fn()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -176,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed steps of each path before its --iters timed ones (default 1)")
     p.add_argument("--micro-batch-tokens", type=int, default=None)
     p.add_argument("--attn", default=None, help="attention kernel of our trainer (default: flex_attention on GPU, "
                    "sdpa on CPU); the plain HF baseline always uses sdpa")
@@ -196,15 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     vocab = SHAPES[shape]["vocab"]
     model = build(shape, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    plain = bench_plain_hf(model, lengths, vocab, device, iters)
+    plain = bench_plain_hf(model, lengths, vocab, device, iters, a.warmup)
     _reset_peak(device)
     attn = a.attn or ("flex_attention" if cuda else "sdpa")
     model.set_attn_implementation(attn)
-    ours = bench_ours(model, lengths, vocab, device, iters, micro)
+    ours = bench_ours(model, lengths, vocab, device, iters, micro, a.warmup)
     ours["peak_memory_gb"] = _peak_memory_gb(device)
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "shape": shape, "params": n_params,
-        "batch": batch, "seq_len": seq_len, "real_tokens": sum(lengths),
+        "batch": batch, "seq_len": seq_len, "real_tokens": sum(lengths), "iters": iters, "warmup": a.warmup,
         "tokens_per_s": ours["tokens_per_s"], "padding_fraction": ours["padding_fraction"],
         "micro_batches": ours["micro_batches"], "plain_hf_tokens_per_s": plain["tokens_per_s"],
         "plain_hf_padding_fraction": plain["padding_fraction"],
@@ -217,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     out["peak_memory_gb" if cuda else "peak_rss_gb"] = ours["peak_memory_gb"]
     if a.backend == "megatron":
         _reset_peak(device)
-        meg = bench_megatron(model, lengths, vocab, device, iters, micro)
+        meg = bench_megatron(model, lengths, vocab, device, iters, micro, a.warmup)
         out.update({"megatron_tokens_per_s": meg["tokens_per_s"], "megatron_micro_batches": meg["micro_batches"],
+                    "megatron_optimizer": meg["optimizer"],
                     "megatron_vs_torch": meg["tokens_per_s"] / ours["tokens_per_s"],
                     ("megatron_peak_memory_gb" if cuda else "megatron_peak_rss_gb"): _peak_memory_gb(device)})
         if peak:

@@ -495,7 +495,10 @@ class MegatronConfig(Section):
     pp: int = Field(1, ge=1)
     """Pipeline-parallel size: must divide the number of layers (each stage holds an equal share)."""
     distributed_optimizer: bool = True
-    """Shard the optimizer state (and the fp32 main weights) over the data-parallel ranks."""
+    """megatron-core's distributed optimizer: the AdamW state and the float32 main weights sharded over the
+    data-parallel ranks (gradients reduce-scattered, weights all-gathered), and checkpoints in megatron's
+    ``dist_checkpointing`` format possible besides the project's. ``false``: torch's AdamW over the DDP float32
+    gradients, its state replicated on every data-parallel rank."""
     vocab_multiple: int = Field(128, ge=1)
     """The vocabulary is padded with zero rows to a multiple of ``vocab_multiple * tp`` (dropped again in HF
     weights)."""

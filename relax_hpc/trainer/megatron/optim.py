@@ -134,7 +134,7 @@ def step(optimizer: Any, max_norm: float) -> float:
         norm = float(optimizer.get_grad_norm())
         if not math.isfinite(norm):
             return norm
-        for opt in optimizer.chained_optimizers:
+        for opt in _parts(optimizer):
             params = opt.get_parameters()
             if params:
                 clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=norm)
@@ -142,24 +142,24 @@ def step(optimizer: Any, max_norm: float) -> float:
     return norm
 
 
-def set_lr(optimizer: Any, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def _parts(optimizer: Any) -> list[Any]:
+    """The distributed optimizers of ``optimizer`` (a ``ChainedOptimizer``'s, or itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _ranges(optimizer: Any, params: list[Any] | None = None) -> Iterator[tuple[Any, Any, Any]]:
     """(distributed optimizer or None, model parameter, its range on this data-parallel rank or None) for every
     parameter of ``params`` (default all): a parameter outside this rank's ranges has no optimizer state here."""
-    owners = {id(p): opt for opt in optimizer.chained_optimizers for p in opt.model_param_group_index_map}
+    owners = {id(p): opt for opt in _parts(optimizer) for p in opt.model_param_group_index_map}
     if params is None:
-        params = [p for opt in optimizer.chained_optimizers for p in opt.model_param_group_index_map]
+        params = [p for opt in _parts(optimizer) for p in opt.model_param_group_index_map]
     for param in params:
         opt = owners.get(id(param))
         yield opt, param, None if opt is None else opt._get_model_param_range_map(param)["param"]
 
 
 def has_state(optimizer: Any) -> bool:
-    return all(bool(opt.optimizer.state) for opt in optimizer.chained_optimizers)
+    return all(bool(opt.optimizer.state) for opt in _parts(optimizer))
 
 
 def gather_moments(optimizer: Any, dp_group: Any, keys: tuple[str, ...], *,
@@ -187,20 +187,20 @@ def ensure_state(optimizer: Any) -> None:
     """Adam state on every range (megatron's dummy step with zero gradients, which moves the weights by the
     weight decay: load the weights afterwards), so that a checkpoint can be copied into it."""
     with cuda_type_names(not torch.cuda.is_available()):
-        for opt in optimizer.chained_optimizers:
+        for opt in _parts(optimizer):
             if not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()
 
 
 def reset_state(optimizer: Any) -> None:
     """No Adam state (the next step starts from zero moments, as a new optimizer's)."""
-    for opt in optimizer.chained_optimizers:
+    for opt in _parts(optimizer):
         opt.optimizer.state.clear()
 
 
 def step_count(optimizer: Any) -> torch.Tensor:
     """AdamW's step counter (the same for every parameter)."""
-    opt = optimizer.chained_optimizers[0].optimizer
+    opt = _parts(optimizer)[0].optimizer
     return next(iter(opt.state.values()))["step"].detach().clone()
 
 
@@ -214,14 +214,14 @@ def scatter_moments(optimizer: Any, tensors: dict[Any, dict[str, torch.Tensor]],
         with torch.no_grad():
             for key, whole in tensors[param].items():
                 mine[key].copy_(whole.reshape(-1)[rng.start:rng.end].view_as(mine[key]))
-    for opt in optimizer.chained_optimizers:
+    for opt in _parts(optimizer):
         for state in opt.optimizer.state.values():
             state["step"] = torch.as_tensor(step_, dtype=torch.float32).clone()
 
 
 def sync_main_params(optimizer: Any) -> None:
     """The main (float32) weights copied from the model's weights (after the model was loaded from elsewhere)."""
-    for opt in optimizer.chained_optimizers:
+    for opt in _parts(optimizer):
         opt._copy_model_params_to_main_params()
 
 
@@ -261,7 +261,7 @@ def load_dist_checkpoint(path: Path | str, ddp: Any, optimizer: Any) -> None:
     # (a DP=2 checkpoint after 3 steps loads as step 1 at DP=1); and it hands every parameter one shared step
     # tensor, which torch's AdamW would advance once per parameter. The param groups' counter, one tensor each.
     assert len(steps) <= 1, steps
-    for opt in optimizer.chained_optimizers:
+    for opt in _parts(optimizer):
         for st in opt.optimizer.state.values():
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = torch.tensor(float(next(iter(steps))), dtype=torch.float32) if steps \
