@@ -91,13 +91,29 @@ def init_parallel(tp: int, pp: int, device: str = "cpu") -> None:
     cpu_shim()
     quiet_megatron()
     if not dist.is_initialized():
+        import atexit
+
         backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(_destroy_parallel)  # ours: torn down before the interpreter's exit, not by C++ destructors
     if ps.model_parallel_is_initialized():
         if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (tp, pp):
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def _destroy_parallel() -> None:
+    """megatron's parallel state and the in-process default group that :func:`init_parallel` made, if still
+    there (an exiting process that left them to the C++ destructors aborted now and then under load with
+    "terminate called without an active exception")."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _mark_parallel(gpt: Any) -> None:
