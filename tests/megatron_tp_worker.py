@@ -4,7 +4,8 @@ one-GPU check of the issue: NCCL refuses two ranks on one device); ``cuda`` NCCL
 tools/gpu/x2.sh runs it.
 
 Layouts: ``tied`` / ``untied`` = TP=2 (one replica), ``dp2`` = TP=1 x DP=2 (each rank trains on its share of the
-groups, as the store consumer would hand them out), all with megatron's distributed optimizer; ``dp2-adamw`` = DP=2
+groups, as the store consumer would hand them out), all with megatron's distributed optimizer (but ``cuda-shared``,
+where the backend turns it off: gloo with CUDA tensors); ``dp2-adamw`` = DP=2
 with ``distributed_optimizer: false`` (torch's AdamW, replicated state). With the distributed optimizer the run also
 saves a ``dist_checkpointing`` checkpoint (``OUT/dist``) at the same step as the project's checkpoint.
 

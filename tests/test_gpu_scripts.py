@@ -59,3 +59,21 @@ def test_x2_dry_run_prints_the_figures(tmp_path):
     raw = json.loads((out / "x2-qwen3-0.6b.json").read_text())
     assert "weights.fast_path=gloo" not in raw["overrides"]  # two GPUs: auto, which is NCCL there
     assert "files_run" in raw["handover"] and raw["params"] > 0
+
+
+@pytest.mark.parametrize("name", ["meg6.sh", pytest.param("meg5.sh", marks=[pytest.mark.integration,
+                                                                               pytest.mark.slow])])
+def test_megatron_gpu_scripts_dry_run(tmp_path, name):
+    """tools/gpu/meg5.sh / meg6.sh (issue 16) with DRY_RUN=1: the gpu tests they name are collected (three: the
+    node ids are not stale), and meg5's bench trainer commands run at a tiny shape and give their JSON."""
+    pytest.importorskip("megatron.core", reason="megatron-core is an optional extra")
+    out = tmp_path / "out"
+    r = _script(name, out=out, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    collected = (out / "gpu-tests.txt").read_text()
+    assert "3 tests collected" in collected and "test_distributed_optimizer_in_bfloat16" in collected, collected
+    assert "tied-cuda-shared" in collected
+    if name == "meg5.sh":
+        for part in ("trainer06b", "trainer4b"):
+            fig = json.loads((out / f"{part}.json").read_text())
+            assert fig, part

@@ -35,14 +35,15 @@ def _process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def make(seed: int = 3, *, dist_opt: bool = True, recompute: bool = False, **trainer: Any) -> Any:
+def make(seed: int = 3, *, dist_opt: bool = True, recompute: bool = False, dtype: Any = torch.float32,
+         **trainer: Any) -> Any:
     tok = build_digits_tokenizer()
     cfg = make_cfg(trainer={"backend": "megatron", "megatron": {"distributed_optimizer": dist_opt}, **trainer},
                    model={"path": "tiny", "gradient_checkpointing": recompute})
     hf = build_tiny_model(cfg.model.tiny, len(tok), seed=seed, pad_token_id=tok.pad_token_id,
                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    return make_backend(cfg, rank=0, world_size=1, device="cpu", dtype=torch.float32,
-                        algorithm=get_algorithm("grpo"), tokenizer=tok, model=hf)
+    return make_backend(cfg, rank=0, world_size=1, device="cpu", dtype=dtype,
+                        algorithm=get_algorithm("grpo"), tokenizer=tok, model=hf.to(dtype))
 
 
 def test_the_distributed_optimizer_is_megatrons_and_steps_as_adamw() -> None:
@@ -140,3 +141,35 @@ def test_sft_warmup_with_the_distributed_optimizer_leaves_a_fresh_optimizer() ->
     assert not has_state(b.optimizer)
     assert [dict(lr=g["lr"], weight_decay=g["weight_decay"]) for g in b.optimizer.param_groups] == before
     assert any(not torch.equal(w0[k], v) for k, v in b.full_state_dict().items())
+
+
+def test_bfloat16_model_is_all_bfloat16_and_its_dist_checkpoint_resumes(tmp_path: Path) -> None:
+    """In bfloat16 every parameter is bfloat16 (the local spec's RMSNorm weights are made in float32): megatron's
+    parameter-to-state map holds then, each parameter's main weights and moments are its own range (with float32
+    norms in the same param group they were another parameter's, and the dist_checkpointing save failed, as on the
+    H200); both checkpoint formats resume with the same weights, main weights and moments."""
+    from relax_hpc.trainer.megatron.optim import _ranges, build_distributed_optimizer
+
+    a = make(seed=0, dtype=torch.bfloat16)
+    assert {p.dtype for p in a.gpt.parameters()} == {torch.bfloat16}
+    a.train_step(make_items(8, seed=1))
+    for opt, param, rng in _ranges(a.optimizer):
+        mine = opt._get_main_param_and_optimizer_states(param)
+        assert {k: v.numel() for k, v in mine.items() if v.dim()} == dict.fromkeys(("param", "exp_avg",
+                                                                                  "exp_avg_sq"), rng.size)
+    a.save_dist_checkpoint(tmp_path / "ckpt")
+    msd, osd = a.checkpoint_state()
+    for load in ("dist", "project"):
+        b = make(seed=7, dtype=torch.bfloat16)
+        if load == "dist":
+            b.load_dist_checkpoint(tmp_path / "ckpt")
+        else:
+            b.load_checkpoint_state(msd, osd)
+        sb = b.full_state_dict()
+        assert all(torch.equal(msd[k], sb[k]) for k in msd), load
+        ob = b.checkpoint_state()[1]["state"]
+        assert all(torch.equal(osd["state"][k][f], ob[k][f]) for k in ob
+                   for f in ("exp_avg", "exp_avg_sq", "main_param", "step")), load
+    next(iter(a.gpt.parameters())).data = next(iter(a.gpt.parameters())).data.float()
+    with pytest.raises(ValueError, match=r"every parameter in torch\.bfloat16"):
+        build_distributed_optimizer(a.cfg.trainer, a.model, torch.bfloat16)

@@ -37,7 +37,9 @@ ON_ONE_GPU = pytest.param("cuda-shared", marks=[pytest.mark.gpu, pytest.mark.ski
 @pytest.mark.parametrize("layout", ["tied", "untied", "dp2", "dp2-adamw"])
 def test_two_ranks_match_hf_and_the_torch_backend(tmp_path: Path, layout: str, device: str) -> None:
     """``cuda-shared``: the two ranks share the one GPU over gloo (TP layouts only: two data-parallel replicas
-    need megatron DDP's coalesced all-reduce of CUDA gradient buffers, which gloo lacks; DP on GPUs is NCCL)."""
+    need megatron DDP's coalesced all-reduce of CUDA gradient buffers, which gloo lacks; DP on GPUs is NCCL), and
+    the backend turns megatron's distributed optimizer off there (it crashed the ranks over gloo with CUDA tensors):
+    torch's AdamW, no dist_checkpointing."""
     if device == "cuda-shared" and layout.startswith("dp2"):
         pytest.skip("two replicas on one GPU over gloo: gloo has no coalesced all-reduce of CUDA tensors")
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
@@ -48,7 +50,7 @@ def test_two_ranks_match_hf_and_the_torch_backend(tmp_path: Path, layout: str, d
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, r in enumerate(ranks):
-        assert r["dist_opt"] == float(layout != "dp2-adamw")
+        assert r["dist_opt"] == float(layout != "dp2-adamw" and device != "cuda-shared")
         if layout.startswith("dp2"):  # two replicas: each reads its own groups
             assert (r["tp_size"], r["dp_size"], r["dp_rank"]) == (1, 2, rank)
         else:  # one replica: both TP ranks read the same groups

@@ -18,7 +18,13 @@ Choices forced by megatron-core 0.16.1 (the newest for Python 3.11), each to rev
   (:mod:`relax_hpc.trainer.megatron.optim`): AdamW state and float32 main weights sharded over the data-parallel
   ranks, gradients reduce-scattered, weights all-gathered; on a machine without CUDA through a shim of
   megatron's CUDA-only tensor factories (``optim.cpu_optimizer_shim``). Without it, ``torch.optim.AdamW`` over the
-  DDP float32 gradient buffers, its state replicated over the data-parallel replicas.
+  DDP float32 gradient buffers, its state replicated over the data-parallel replicas; also where CUDA tensors go
+  over gloo groups (TP ranks sharing one GPU), with a warning: the distributed optimizer crashed there.
+- Dtypes: every parameter in the model dtype (the local spec's ``torch.nn.RMSNorm`` weights are made in float32
+  whatever ``params_dtype`` says; cast, as HF's bfloat16 model and megatron's ``Float16Module`` have them). The
+  distributed optimizer needs it: with float32 norms beside bfloat16 weights in one param group, megatron's
+  parameter-to-state index map points at the wrong main weights (its optimizer groups list the float32 shards
+  first), and its checkpoints and ours read the wrong tensors.
 - Pipeline parallelism: megatron's pipeline schedule needs CUDA; ``pp > 1`` is refused when the backend is built.
 - Checkpoints: the project's checkpoint format (``relax_hpc.trainer.checkpoint``): the whole model and the AdamW
   moments under HF names (gathered over TP through the weight mapping, and over DP from the distributed optimizer's
@@ -149,6 +155,30 @@ def quiet_megatron() -> None:
     mlog = logging.getLogger("megatron.core")
     if mlog.level == logging.NOTSET:
         mlog.setLevel(logging.WARNING)
+    for name, text in _ADVISORIES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.text == text for f in logger.filters):
+            logger.addFilter(_DropMessage(text))
+
+
+_ADVISORIES = (
+    # megatron-core >= 0.19: DDP computes the distributed optimizer's buffer layout itself when not given one
+    # (DistributedOptimizer.compute_full_param_layout with DDP's own bucket size and groups: the same layout).
+    ("megatron.core.distributed.distributed_data_parallel", "full_param_layout not provided"),
+    # megatron-core >= 0.19 marks GPTModel deprecated for HybridModel; GPTModel still works and 0.16.1 has no other.
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+)
+
+
+class _DropMessage(logging.Filter):
+    """Drops the records of one logger whose message contains ``text`` (advisories for megatron's own callers)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 class MegatronBackend(TorchBackend):
@@ -176,7 +206,7 @@ class MegatronBackend(TorchBackend):
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), mc.tp
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         self.ref_model, self.teacher = ref_model, teacher
-        self.dist_opt = mc.distributed_optimizer
+        self.dist_opt = mc.distributed_optimizer and not self._dist_opt_on_gloo_cuda()
         temp = cfg.rollout.sampling.temperature
         self.temperature = temp if temp > 0 else 1.0
         self._hf_config = hf_model.config
@@ -193,9 +223,29 @@ class MegatronBackend(TorchBackend):
             self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=tuple(t.betas),
                                                weight_decay=t.weight_decay, foreach=False)
         self._compiled = contextlib.nullcontext  # the torch backend's compiled HF layers do not apply here
+        if rank == 0:
+            log.info("megatron backend: tp=%d pp=%d dp=%d, %s on %s, %s", mc.tp, mc.pp, self.dp_size,
+                     str(dtype).removeprefix("torch."), device,
+                     "megatron's distributed optimizer" if self.dist_opt else "torch's AdamW")
         self.step = 0
         self._keys: list[str] | None = None
         self.begin_step()
+
+    def _dist_opt_on_gloo_cuda(self) -> bool:
+        """Whether this rank's CUDA tensors go over gloo groups (TP ranks sharing one GPU: NCCL refuses two ranks
+        on one device), with one warning that megatron's distributed optimizer is off there: over gloo with CUDA
+        tensors it crashed both ranks (SIGSEGV right after megatron's DDP was built, megatron-core 0.19.2 on an
+        H200), and that layout has one data-parallel replica (gloo has no coalesced all-reduce of CUDA gradient
+        buffers), so it would shard nothing."""
+        import torch.distributed as dist
+
+        gloo = self.device.startswith("cuda") and any(dist.get_backend(g) == "gloo"
+                                                      for g in (self.dp_group, self.tp_group))
+        if gloo and self.rank == 0:
+            log.warning("trainer.megatron.distributed_optimizer is off for this run: the ranks' groups are gloo with "
+                        "CUDA tensors (ranks sharing a GPU), where megatron's distributed optimizer crashes; torch's "
+                        "AdamW instead (one data-parallel replica: nothing to shard); no dist_checkpointing")
+        return gloo
 
     def _build_model(self, hf_model: Any, device: Any) -> tuple[Any, Any]:
         """(GPTModel, its DDP wrapper), the GPT holding this rank's shard of ``hf_model``'s weights."""
@@ -223,8 +273,13 @@ class MegatronBackend(TorchBackend):
         missing, unexpected = gpt.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         assert not missing and not unexpected, (missing, unexpected)
+        with torch.no_grad():  # the local spec's norms are torch.nn.RMSNorm, made in float32 whatever params_dtype
+            for p in gpt.parameters():  # says: all in the model dtype, as HF's model and megatron's Float16Module
+                if p.is_floating_point() and p.dtype != self.dtype:
+                    p.data = p.data.to(self.dtype)
         gpt.to(device)
-        ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(**ddp_args(self.cfg.trainer)), gpt)
+        ddp = DistributedDataParallel(tc, DistributedDataParallelConfig(**ddp_args(self.cfg.trainer,
+                                                                                   dist_opt=self.dist_opt)), gpt)
         return gpt, ddp.train()
 
     # ------------------------------------------------------------------ forward
@@ -653,5 +708,8 @@ class MegatronBackend(TorchBackend):
 
     def _need_dist_opt(self, what: str) -> None:
         if not self.dist_opt:
+            why = (" (it is set, but off where the ranks' groups are gloo with CUDA tensors)"
+                   if self.cfg.trainer.megatron.distributed_optimizer else "")
             raise UserError(f"{what}: megatron's dist_checkpointing holds the distributed optimizer's state; set "
-                            "trainer.megatron.distributed_optimizer: true (the project's checkpoints work either way)")
+                            f"trainer.megatron.distributed_optimizer: true{why} (the project's checkpoints work "
+                            "either way)")

@@ -88,11 +88,14 @@ def optimizer_args(trainer: TrainerConfig) -> dict[str, Any]:
             "use_distributed_optimizer": mc.distributed_optimizer}
 
 
-def ddp_args(trainer: TrainerConfig) -> dict[str, Any]:
+def ddp_args(trainer: TrainerConfig, *, dist_opt: bool | None = None) -> dict[str, Any]:
     """megatron-core's ``DistributedDataParallelConfig`` kwargs (gradients reduced in float32, after the last
-    micro-batch: the step's gradient is summed over micro-batches first)."""
-    return {"use_distributed_optimizer": trainer.megatron.distributed_optimizer, "grad_reduce_in_fp32": True,
-            "overlap_grad_reduce": False, "check_for_nan_in_grad": True}
+    micro-batch: the step's gradient is summed over micro-batches first). ``dist_opt``: whether the distributed
+    optimizer is used (default: ``trainer.megatron.distributed_optimizer``; the backend turns it off on gloo with
+    CUDA tensors)."""
+    use = trainer.megatron.distributed_optimizer if dist_opt is None else dist_opt
+    return {"use_distributed_optimizer": use, "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
+            "check_for_nan_in_grad": True}
 
 
 def check_ranks(num_ranks: int, *, tp: int, pp: int) -> None:

@@ -117,6 +117,11 @@ def build_distributed_optimizer(trainer: Any, ddp: Any, dtype: torch.dtype) -> A
 
     from relax_hpc.trainer.megatron.config import optimizer_args
 
+    dtypes = {p.dtype for p in ddp.module.parameters() if p.requires_grad}
+    if dtypes != {dtype}:  # megatron's param-to-state map assumes one dtype per param group (MegatronBackend casts)
+        raise ValueError(f"megatron's distributed optimizer needs every parameter in {dtype}; the model has "
+                         f"{sorted(map(str, dtypes))}: float32 parameters beside {dtype} ones in one param group "
+                         "map to the wrong optimizer state (megatron lists the float32 shards first)")
     cpu_optimizer_shim()
     config = OptimizerConfig(**optimizer_args(trainer), bf16=dtype == torch.bfloat16, params_dtype=dtype)
     with cuda_type_names(not torch.cuda.is_available()):
