@@ -90,7 +90,12 @@ from relax_hpc.trainer.backend import make_backend
 from relax_hpc.trainer.checkpoint import latest_checkpoint, load_checkpoint
 tok = build_digits_tokenizer()
 tiny = {{"tie_embeddings": {layout != "untied"}}}
-cfg = make_cfg(trainer={{"backend": "megatron"}}, model={{"path": "tiny", "tiny": tiny}})
+# on a GPU machine this CPU process runs the GPU's megatron-core, whose DDP gradient sync (the distributed
+# optimizer's) asks for a CUDA stream: AdamW there; the checkpoint moves between the two optimizers
+# (test_megatron_optim.py), and the dist_checkpointing case (dp2) never runs on a GPU machine
+dist = {layout == "dp2" or not _cuda()}
+cfg = make_cfg(trainer={{"backend": "megatron", "megatron": {{"distributed_optimizer": dist}}}},
+               model={{"path": "tiny", "tiny": tiny}})
 hf = build_tiny_model(cfg.model.tiny, len(tok), seed=9, pad_token_id=tok.pad_token_id)
 b = make_backend(cfg, rank=0, world_size=1, device="cpu", dtype=torch.float32, algorithm=get_algorithm("grpo"),
                  tokenizer=tok, model=hf)
