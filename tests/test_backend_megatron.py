@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is an optional extra:
 
 from backend_conformance import *  # noqa: F403  (the suite's tests run here)
 from backend_conformance import make_cfg
+from megatron_fixtures import megatron_process_group  # noqa: F401  (autouse: the group gone after the module)
 
 from relax_hpc.algorithms.registry import get_algorithm
 from relax_hpc.config.schema import RecipeConfig
@@ -33,16 +33,6 @@ class MegatronFactory:
                             algorithm=get_algorithm(cfg.algorithm.name), tokenizer=tok, model=model)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _process_group() -> Iterator[None]:
-    """The backend makes an in-process gloo group and megatron's parallel state: gone after this module."""
-    yield
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture

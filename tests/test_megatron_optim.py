@@ -6,7 +6,6 @@ DP=1) are in tests/test_megatron_tp.py."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,23 +15,12 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install -e '.[megatron]'")
 
 from backend_conformance import make_cfg, make_items
+from megatron_fixtures import megatron_process_group  # noqa: F401  (autouse: the group gone after the module)
 
 from relax_hpc.algorithms.registry import get_algorithm
 from relax_hpc.errors import UserError
 from relax_hpc.models.tiny import build_digits_tokenizer, build_tiny_model
 from relax_hpc.trainer.backend import make_backend
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _process_group() -> Iterator[None]:
-    """The backend makes an in-process gloo group and megatron's parallel state: gone after this module."""
-    yield
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def make(seed: int = 3, *, dist_opt: bool = True, recompute: bool = False, dtype: Any = torch.float32,
