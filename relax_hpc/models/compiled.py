@@ -46,27 +46,37 @@ def raise_recompile_limit() -> None:
             setattr(cfg, knob, max(int(getattr(cfg, knob)), RECOMPILE_LIMIT))
 
 
-class CompiledFn:
-    """``fn`` compiled with dynamic shapes; after a compile failure (one warning) ``fn`` itself."""
+class Fallback:
+    """Whether compiling failed; shared by the functions that fall back together (one warning for all)."""
 
-    def __init__(self, fn: Callable[..., Any], what: str):
+    failed = False
+
+
+class CompiledFn:
+    """``fn`` compiled with dynamic shapes; after a compile failure (one warning per ``state``) ``fn`` itself."""
+
+    def __init__(self, fn: Callable[..., Any], what: str, state: Fallback | None = None):
         import torch
 
         raise_recompile_limit()
-        self.eager, self.what, self.failed = fn, what, False
+        self.eager, self.what, self.state = fn, what, state or Fallback()
         self.compiled = torch.compile(fn, dynamic=True)
+
+    @property
+    def failed(self) -> bool:
+        return self.state.failed
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch
 
-        if self.failed:
+        if self.state.failed:
             return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # compilation failed: nothing of fn ran yet
-            self.failed = True
+            self.state.failed = True
             log.warning("%s: torch.compile failed (%s: %s); running it eagerly", self.what, type(e).__name__,
                         str(e).splitlines()[0] if str(e) else "")
             return self.eager(*args, **kwargs)
@@ -76,30 +86,13 @@ class CompiledLayers:
     """``torch.compile``d forwards of a model's decoder layers, in force only inside :meth:`active`."""
 
     def __init__(self, model: Any):
-        import torch
-
         self.layers = decoder_layers(model)
-        self.failed = False
-        raise_recompile_limit()
-        self._calls = [self._guarded(layer.forward, torch.compile(layer.forward, dynamic=True))
-                       for layer in self.layers]
+        self.state = Fallback()
+        self._calls = [CompiledFn(layer.forward, "trainer.compile_layers", self.state) for layer in self.layers]
 
-    def _guarded(self, eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
-        import torch
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if self.failed:
-                return eager(*args, **kwargs)
-            try:
-                return compiled(*args, **kwargs)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # compilation failed: nothing of this layer ran yet
-                self.failed = True
-                log.warning("trainer.compile_layers: torch.compile failed (%s: %s); training with the eager layers",
-                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                return eager(*args, **kwargs)
-        return call
+    @property
+    def failed(self) -> bool:
+        return self.state.failed
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

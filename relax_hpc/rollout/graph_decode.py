@@ -334,10 +334,11 @@ def _layer_parts(compiled: bool) -> tuple[Any, Any]:
     adds, SiLU x up) fuse; the graph capture then records the compiled kernels. A compile failure runs them eagerly."""
     if not compiled:
         return _pre_attention, _post_attention
-    from relax_hpc.models.compiled import CompiledFn
+    from relax_hpc.models.compiled import CompiledFn, Fallback
 
-    return (CompiledFn(_pre_attention, "rollout.hf_decoder=compiled"),
-            CompiledFn(_post_attention, "rollout.hf_decoder=compiled"))
+    state = Fallback()  # both halves eager after either fails to compile, one warning
+    return (CompiledFn(_pre_attention, "rollout.hf_decoder=compiled", state),
+            CompiledFn(_post_attention, "rollout.hf_decoder=compiled", state))
 
 
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
