@@ -58,10 +58,8 @@ class Trajectory:
     @classmethod
     def from_output(cls, out: SampleOutput) -> Trajectory:
         """The trajectory of one engine call (its arrays are adopted, not copied)."""
-        mask = out.loss_mask
         return cls(token_ids=_typed(out.token_ids, _INT32), logprobs=_typed(out.logprobs, _FLOAT32),
-                   versions=_typed(out.versions, _INT32),
-                   loss_mask=_typed(mask, _UINT8) if mask is not None else np.ones(len(out.token_ids), np.uint8),
+                   versions=_typed(out.versions, _INT32), loss_mask=_typed(out.mask(), _UINT8),
                    finish_reason=out.finish_reason, timings=dict(out.timings), engine_calls=1)
 
     def extend(self, out: SampleOutput) -> Trajectory:
