@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -90,16 +91,19 @@ def make_items(lengths: list[int], vocab: int) -> list[Any]:
     return items
 
 
-def _bench_cfg(micro_tokens: int, backend: str) -> Any:
+def _bench_cfg(micro_tokens: int, backend: str, switches: dict[str, bool] | None = None) -> Any:
+    """The benchmark's recipe; ``switches``: trainer fields (``compile_layers``, ``fused_head``) for both backends."""
     from relax_hpc.config.load import validate_dict
 
     return validate_dict({"data": {"task": {"name": "reverse_digits"}},
                           "trainer": {"lr": 1e-5, "micro_batch_tokens": micro_tokens, "device": "cpu",
-                                      "backend": backend}})
+                                      "backend": backend, **(switches or {})}})
 
 
-def bench_backend(tr: Any, items: list[Any], device: str, iters: int, warmup: int = 1) -> dict[str, Any]:
-    """tokens/s of ``tr.train_step(items)`` (a trainer backend)."""
+def bench_backend(tr: Any, items: list[Any], device: str, iters: int, warmup: int = 1,
+                  profile: Path | None = None) -> dict[str, Any]:
+    """tokens/s of ``tr.train_step(items)`` (a trainer backend); with ``profile`` one more step under
+    torch.profiler, its table (by GPU time) written there."""
     box: dict[str, Any] = {}
 
     def step() -> None:
@@ -107,22 +111,47 @@ def bench_backend(tr: Any, items: list[Any], device: str, iters: int, warmup: in
 
     dt = _timed(step, iters, device, warmup)
     m = box["m"]
-    return {"tokens_per_s": sum(it.num_tokens for it in items) / dt, "step_s": dt,
-            "padding_fraction": m["train/padding_fraction"], "micro_batches": m["train/num_micro_batches"]}
+    out = {"tokens_per_s": sum(it.num_tokens for it in items) / dt, "step_s": dt,
+           "padding_fraction": m["train/padding_fraction"], "micro_batches": m["train/num_micro_batches"]}
+    if profile is not None:
+        out["profiled_gpu_busy"] = _profiled(step, device, profile)
+    return out
+
+
+def _profiled(fn: Any, device: str, path: Path) -> float:
+    """One call of ``fn`` under torch.profiler: its table (top 40 by GPU time, CPU time off a GPU) written to
+    ``path``; returns the share of the call's wall time the GPU kernels took (summed; 0 on the CPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(events.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
+                                 max_name_column_width=70) + f"\nwall {wall * 1e3:.1f} ms\n")
+    kernel_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events) if cuda else 0.0
+    return kernel_us / 1e6 / wall
 
 
 def bench_ours(model: Any, lengths: list[int], vocab: int, device: str, iters: int, micro_tokens: int,
-               warmup: int = 1) -> dict:
+               warmup: int = 1, switches: dict[str, bool] | None = None, profile: Path | None = None) -> dict:
     from relax_hpc.algorithms.registry import get_algorithm
     from relax_hpc.trainer.torch_trainer import TorchTrainer
 
-    tr = TorchTrainer(_bench_cfg(micro_tokens, "torch"), model, device=device, dtype=next(model.parameters()).dtype,
-                      algorithm=get_algorithm("grpo"))
-    return bench_backend(tr, make_items(lengths, vocab), device, iters, warmup)
+    tr = TorchTrainer(_bench_cfg(micro_tokens, "torch", switches), model, device=device,
+                      dtype=next(model.parameters()).dtype, algorithm=get_algorithm("grpo"))
+    return bench_backend(tr, make_items(lengths, vocab), device, iters, warmup, profile)
 
 
 def bench_megatron(model: Any, lengths: list[int], vocab: int, device: str, iters: int, micro_tokens: int,
-                   warmup: int = 1) -> dict:
+                   warmup: int = 1, switches: dict[str, bool] | None = None, profile: Path | None = None) -> dict:
     """The megatron backend (TP=1, one in-process rank) built from ``model``'s weights (moved to the CPU first, so
     the phase's peak memory is the megatron model's own)."""
     from relax_hpc.algorithms.registry import get_algorithm
@@ -132,9 +161,9 @@ def bench_megatron(model: Any, lengths: list[int], vocab: int, device: str, iter
     for p in model.parameters():
         p.grad = None
     model.to("cpu")
-    tr = build(_bench_cfg(micro_tokens, "megatron"), rank=0, world_size=1, device=device, dtype=dtype,
+    tr = build(_bench_cfg(micro_tokens, "megatron", switches), rank=0, world_size=1, device=device, dtype=dtype,
                algorithm=get_algorithm("grpo"), tokenizer=None, model=model)
-    res = bench_backend(tr, make_items(lengths, vocab), device, iters, warmup)
+    res = bench_backend(tr, make_items(lengths, vocab), device, iters, warmup, profile)
     res["optimizer"] = type(tr.optimizer).__name__  # ChainedOptimizer: megatron's distributed optimizer
     return res
 
@@ -192,7 +221,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="dense bf16 peak for MFU (default on a GPU: 989, H100/H200; on the CPU no MFU unless given)")
     p.add_argument("--backend", choices=["torch", "megatron"], default="torch",
                    help="megatron: also the megatron backend (TP=1) on the same data, after the torch backend")
+    p.add_argument("--compile-layers", action="store_true", help="trainer.compile_layers on, for both backends")
+    p.add_argument("--fused-head", action="store_true", help="trainer.fused_head on, for both backends")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="one more step of each backend under torch.profiler: DIR/torch.txt, DIR/megatron.txt")
     a = p.parse_args(argv)
+    switches = {"compile_layers": a.compile_layers, "fused_head": a.fused_head}
+    prof = {k: a.profile / f"{k}.txt" if a.profile else None for k in ("torch", "megatron")}
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     shape = a.shape or ("qwen3-0.6b" if cuda else "tiny")
@@ -209,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     _reset_peak(device)
     attn = a.attn or ("flex_attention" if cuda else "sdpa")
     model.set_attn_implementation(attn)
-    ours = bench_ours(model, lengths, vocab, device, iters, micro, a.warmup)
+    ours = bench_ours(model, lengths, vocab, device, iters, micro, a.warmup, switches, prof["torch"])
     ours["peak_memory_gb"] = _peak_memory_gb(device)
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else "cpu", "shape": shape, "params": n_params,
@@ -218,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "micro_batches": ours["micro_batches"], "plain_hf_tokens_per_s": plain["tokens_per_s"],
         "plain_hf_padding_fraction": plain["padding_fraction"],
         "speedup_vs_plain_hf": ours["tokens_per_s"] / plain["tokens_per_s"], "attn_implementation": attn,
+        **switches, **({"profiled_gpu_busy": ours["profiled_gpu_busy"]} if a.profile else {}),
     }
     peak = (a.peak_tflops or 989.0) * 1e12 if cuda or a.peak_tflops else None
     if peak:
@@ -226,11 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     out["peak_memory_gb" if cuda else "peak_rss_gb"] = ours["peak_memory_gb"]
     if a.backend == "megatron":
         _reset_peak(device)
-        meg = bench_megatron(model, lengths, vocab, device, iters, micro, a.warmup)
+        meg = bench_megatron(model, lengths, vocab, device, iters, micro, a.warmup, switches, prof["megatron"])
         out.update({"megatron_tokens_per_s": meg["tokens_per_s"], "megatron_micro_batches": meg["micro_batches"],
                     "megatron_optimizer": meg["optimizer"],
                     "megatron_vs_torch": meg["tokens_per_s"] / ours["tokens_per_s"],
                     ("megatron_peak_memory_gb" if cuda else "megatron_peak_rss_gb"): _peak_memory_gb(device)})
+        if a.profile:
+            out["megatron_profiled_gpu_busy"] = meg["profiled_gpu_busy"]
         if peak:
             out["megatron_mfu"] = 6 * n_params * meg["tokens_per_s"] / peak
     if a.json:

@@ -3,7 +3,9 @@
 The model is built from the HF config (:func:`relax_hpc.trainer.megatron.config.model_args`: Qwen3 with QK-norm,
 Qwen2/2.5 with QKV biases, GQA, tied or untied embeddings) and its weights come from the HF model through
 :mod:`relax_hpc.trainer.megatron.mapping` (this rank's tensor-parallel shard). Micro-batches are packed sequences in
-THD layout (:class:`~relax_hpc.trainer.megatron.layers.PackedCoreAttention`); log-probs and entropies are computed
+one row, their boundaries and positions given to the attention and RoPE by a
+:class:`~relax_hpc.trainer.megatron.layers.Packing` (:class:`~relax_hpc.trainer.megatron.layers.PackedCoreAttention`;
+``trainer.compile_layers`` compiles megatron's layers around it); log-probs and entropies are computed
 from the vocabulary-parallel logits (:func:`~relax_hpc.trainer.megatron.layers.vocab_parallel_logprobs`), then the
 algorithm's loss is the torch backend's code path (this class extends
 :class:`~relax_hpc.trainer.torch_trainer.TorchBackend`: packing, old/reference log-probs, deferred normalisers,
@@ -42,7 +44,6 @@ rank 0) gets them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -63,7 +64,7 @@ from relax_hpc.trainer.megatron.mapping import (
     hf_to_megatron,
     megatron_stage_to_hf,
 )
-from relax_hpc.trainer.torch_trainer import TorchBackend, _check_one_normaliser
+from relax_hpc.trainer.torch_trainer import TorchBackend, _check_one_normaliser, _compiled_layers
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class MegatronBackend(TorchBackend):
         else:
             self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=tuple(t.betas),
                                                weight_decay=t.weight_decay, foreach=False)
-        self._compiled = contextlib.nullcontext  # the torch backend's compiled HF layers do not apply here
+        self._compiled = _compiled_layers(self.gpt, cfg, device)  # megatron's TransformerLayers, as HF's
         if rank == 0:
             log.info("megatron backend: tp=%d pp=%d dp=%d, %s on %s, %s", mc.tp, mc.pp, self.dp_size,
                      str(dtype).removeprefix("torch."), device,
@@ -256,7 +257,7 @@ class MegatronBackend(TorchBackend):
         from megatron.core.transformer import TransformerConfig
 
         from relax_hpc.trainer.megatron.config import ddp_args, model_args
-        from relax_hpc.trainer.megatron.layers import PackedCoreAttention
+        from relax_hpc.trainer.megatron.layers import PackedCoreAttention, Packing, position_rope
 
         mc = self.cfg.trainer.megatron
         args = model_args(self._hf_config.to_dict(), tp=mc.tp, pp=mc.pp, vocab_multiple=mc.vocab_multiple,
@@ -268,6 +269,11 @@ class MegatronBackend(TorchBackend):
         spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
         gpt = GPTModel(tc, spec, **args.gpt)
         _mark_parallel(gpt)
+        self.packing = Packing()
+        position_rope(gpt.rotary_pos_emb, self.packing)
+        for module in gpt.modules():
+            if isinstance(module, PackedCoreAttention):
+                module.packing = self.packing
         shard = hf_to_megatron(hf_model.state_dict(), self.shape, tp=mc.tp, tp_rank=self.tp_rank,
                                vocab_multiple=mc.vocab_multiple)
         missing, unexpected = gpt.load_state_dict(shard, strict=False)
@@ -307,24 +313,17 @@ class MegatronBackend(TorchBackend):
             else gpt.output_layer.weight
 
     def _forward(self, mb: MicroBatch, *, hidden: bool = False) -> Any:
-        """This TP rank's logits [T, V / tp] predicting each response token of ``mb`` (one packed THD row), or
-        with ``hidden`` the final (normed) hidden states [T, H] at those positions: the GPT stops before its
-        output layer (megatron's ``post_process`` off for the call)."""
-        import torch
-        from megatron.core.packed_seq_params import PackedSeqParams
-
+        """This TP rank's logits [T, V / tp] predicting each response token of ``mb`` (one packed row), or with
+        ``hidden`` the final (normed) hidden states [T, H] at those positions: the GPT stops before its output
+        layer (megatron's ``post_process`` off for the call). The sequences reach the attention and RoPE through
+        :attr:`packing`; to megatron the row is one sequence."""
         if mb.input_ids.shape[0] != 1 or mb.model_kwargs:
             raise UserError("the megatron backend trains text-only micro-batches packed in one row")
-        lengths = torch.tensor([it.num_tokens for it in mb.items])
-        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-        longest = int(lengths.max())
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                 max_seqlen_kv=longest)
         self.gpt.post_process = not hidden
         try:
-            out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
-                             packed_seq_params=packed)  # [1, tokens, V / tp], or hidden states [tokens, 1, H]
-        finally:
+            with self.packing.use([it.num_tokens for it in mb.items], mb.position_ids[0]):
+                out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None)
+        finally:  # [1, tokens, V / tp], or hidden states [tokens, 1, H]
             self.gpt.post_process = True
         return out[:, 0][mb.logit_index] if hidden else out[0, mb.logit_index]
 

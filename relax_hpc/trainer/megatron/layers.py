@@ -1,11 +1,17 @@
 """The pieces of the megatron backend that megatron-core's local layer spec lacks (imported only by the backend).
 
-- :class:`PackedCoreAttention`: core attention over packed sequences in THD layout (``packed_seq_params``), which
-  megatron-core's local ``DotProductAttention`` refuses: causal ``scaled_dot_product_attention`` per sequence of
-  ``cu_seqlens`` (GQA through ``enable_gqa``; no [T, T] mask; the same kernel call as the HF model's on one
-  sequence); RoPE is applied per sequence by megatron-core's pure-torch THD path before it. On a GPU in half
-  precision it is one call of torch's flash varlen kernel (``torch.nn.attention.varlen``, torch >= 2.10) instead,
-  where this torch has it.
+- :class:`Packing`: the packed micro-batch the GPT runs on now (sequence boundaries on the model's device, the
+  longest sequence, every token's position), shared by the GPT's core attention modules and its RoPE. The GPT is
+  called without megatron's ``packed_seq_params`` (one [tokens, 1] sequence to megatron), so megatron-core's THD
+  paths stay out: its RoPE would split the row per sequence in every layer (a dozen small kernels per sequence, and
+  a host round trip of the boundaries), and every boundary copy to the GPU would wait for the GPU's queue.
+- :func:`position_rope`: the GPT's RoPE frequencies gathered at each token's position (one indexing kernel), which
+  megatron-core then applies to the whole row at once.
+- :class:`PackedCoreAttention`: causal attention within each sequence of the :class:`Packing`, which megatron-core's
+  local ``DotProductAttention`` cannot do: causal ``scaled_dot_product_attention`` per sequence (GQA through
+  ``enable_gqa``; no [T, T] mask; the same kernel call as the HF model's on one sequence), or on a GPU in half
+  precision one call of torch's flash varlen kernel (``torch.nn.attention.varlen``, torch >= 2.10) where this torch
+  has it. It is left out of ``torch.compile`` (``trainer.compile_layers`` compiles the layer around it).
 - :func:`vocab_parallel_logprobs`: per-token log-probs (and entropies) from vocabulary-parallel logits: each
   tensor-parallel rank holds ``V / tp`` columns; the padded columns (beyond the model's vocabulary) are masked out,
   so the log-probs are the HF model's; every reduction over the vocabulary is an all-reduce over the TP group
@@ -18,8 +24,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,10 +51,51 @@ def cpu_shim() -> None:
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
+class Packing:
+    """The packed sequences of the micro-batch being run (:meth:`use`): ``cu`` their boundaries [n + 1] (int32, on
+    the model's device), ``cu_host`` the same on the host, ``longest`` the longest length, ``positions`` [T] every
+    token's position within its sequence (on the device). Outside :meth:`use` the GPT's input is one sequence."""
+
+    def __init__(self) -> None:
+        self.cu: torch.Tensor | None = None
+        self.cu_host: torch.Tensor | None = None
+        self.longest = 0
+        self.positions: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def use(self, lengths: list[int], positions: torch.Tensor) -> Iterator[None]:
+        """The GPT's calls inside this block run on sequences of ``lengths`` packed in one row whose positions are
+        ``positions`` [T] (restarting at 0 in each sequence)."""
+        host = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        device = positions.device
+        cu = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        self.cu, self.cu_host, self.longest, self.positions = cu, host, max(lengths), positions
+        try:
+            yield
+        finally:
+            self.cu = self.cu_host = self.positions = None
+            self.longest = 0
+
+
+def position_rope(rope: torch.nn.Module, packing: Packing) -> None:
+    """``rope`` (the GPT's ``RotaryEmbedding``) returns its frequencies at each token's position [T, 1, 1, d] while
+    ``packing`` is in use (an instance ``forward`` over the class's; the plain one otherwise)."""
+    plain = rope.forward
+
+    def forward(max_seq_len: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if packing.positions is None:
+            return plain(max_seq_len, *args, **kwargs)
+        return plain(packing.longest, *args, **kwargs)[packing.positions]
+
+    rope.forward = forward  # type: ignore[method-assign]
+
+
 class PackedCoreAttention(MegatronModule):
-    """Causal attention within each packed sequence (THD: ``query`` [T, heads, d], ``key``/``value``
-    [T, groups, d]); returns [T, heads * d]. Without ``packed_seq_params`` the whole input is one sequence
-    (SBHD with batch 1)."""
+    """Causal attention within each sequence of :attr:`packing` (``query`` [T, 1, heads, d], ``key``/``value``
+    [T, 1, groups, d], SBHD with batch 1); returns [T, 1, heads * d]. Without a packing in use the input is one
+    sequence. The GPT's builder sets :attr:`packing` (one per GPT)."""
+
+    packing: Packing | None = None
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -54,20 +103,24 @@ class PackedCoreAttention(MegatronModule):
         super().__init__(config=config)
         self.softmax_scale = softmax_scale
 
+    @torch.compiler.disable
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
         assert attention_bias is None, "attention bias is not supported"
-        if packed_seq_params is None:  # [S, 1, h, d]: one sequence
-            assert query.shape[1] == 1, "unpacked input must have batch 1"
-            query, key, value = query[:, 0], key[:, 0], value[:, 0]
-            cu = torch.tensor([0, query.shape[0]], dtype=torch.int32)
+        assert packed_seq_params is None, "packed sequences come through the Packing, not packed_seq_params"
+        assert query.shape[1] == 1, "the input must have batch 1 (one packed row)"
+        query, key, value = query[:, 0], key[:, 0], value[:, 0]
+        packing = self.packing
+        if packing is not None and packing.cu is not None:
+            cu, host, longest = packing.cu, packing.cu_host, packing.longest
         else:
-            cu = packed_seq_params.cu_seqlens_q
-        out = varlen_causal(query, key, value, cu, self.softmax_scale)
+            host = torch.tensor([0, query.shape[0]], dtype=torch.int32)
+            cu, longest = host.to(query.device), query.shape[0]
+        out = varlen_causal(query, key, value, cu, longest, self.softmax_scale)
         if out is None:
-            out = sdpa_per_sequence(query, key, value, cu, self.softmax_scale)
-        out = out.reshape(query.shape[0], -1)
-        return out if packed_seq_params is not None else out[:, None]
+            assert host is not None
+            out = sdpa_per_sequence(query, key, value, host, self.softmax_scale)
+        return out.reshape(query.shape[0], 1, -1)
 
 
 def sdpa_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
@@ -80,12 +133,12 @@ def sdpa_per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
-def varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
+def varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, longest: int,
                   scale: float | None) -> torch.Tensor | None:
-    """Causal attention within each sequence of ``cu`` in one call of torch's flash varlen kernel ([T, heads, d]),
-    or None where it does not apply: not CUDA, not half precision, or a torch without it (< 2.10). torch 2.10 takes
-    ``is_causal``, later ones ``window_size=(-1, 0)``; key/value heads are repeated for GQA where the kernel has no
-    ``enable_gqa``."""
+    """Causal attention within each sequence of ``cu`` (on ``query``'s device; ``longest`` its longest) in one call
+    of torch's flash varlen kernel ([T, heads, d]), or None where it does not apply: not CUDA, not half precision, or
+    a torch without it (< 2.10). torch 2.10 takes ``is_causal``, later ones ``window_size=(-1, 0)``; key/value heads
+    are repeated for GQA where the kernel has no ``enable_gqa``."""
     if not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):
         return None
     try:
@@ -106,8 +159,6 @@ def varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
         else:
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    longest = int((cu[1:] - cu[:-1]).max())
-    cu = cu.to(query.device, torch.int32)
     return varlen_attn(query.contiguous(), key.contiguous(), value.contiguous(), cu, cu, longest, longest, **kw)
 
 
