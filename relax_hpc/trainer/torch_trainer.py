@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,14 +128,19 @@ class TorchBackend(TrainerBackend):
             olds = self._old_logprobs(mbs)
         refs = self._aux_logprobs(self.ref_model, mbs) if cfg.algorithm.kl_coef > 0 and self.ref_model else None
         teach = self._aux_logprobs(self.teacher, mbs) if self.teacher is not None else None
-        for k, mb in enumerate(mbs):
+
+        def loss_of(k: int, mb: MicroBatch) -> Any:
+            """Micro-batch ``k``'s loss; its detached inputs are kept for the step's metrics."""
             with self._compiled():
                 x = self._loss_inputs(mb, olds[k], refs[k] if refs else None, teach[k] if teach else None)
             loss, _ = self.algorithm.loss(x, cfg.algorithm)
-            loss.backward()
             self._unit_loss += float(loss.detach())
             self._inputs.append(dataclasses.replace(x, logprobs=x.logprobs.detach(),
                                                     entropy=None if x.entropy is None else x.entropy.detach()))
+            return loss
+
+        self._backward(mbs, loss_of)
+        for mb in mbs:
             n_tok, n_seq = count_normalisers(mb.loss_mask, mb.seq_ids, len(mb.items))
             self._n_tok += n_tok
             self._n_seq += n_seq
@@ -157,24 +163,35 @@ class TorchBackend(TrainerBackend):
             teacher_logprobs=teacher, sample_weights=mb.weights,
         )
 
+    def _backward(self, mbs: list[MicroBatch], loss_of: Callable[[int, MicroBatch], Any]) -> None:
+        """Forward and backward of each micro-batch in turn; ``loss_of(k, mb)`` runs the forward and gives micro-batch
+        ``k``'s loss (a backend whose model is split into pipeline stages runs them through its schedule)."""
+        for k, mb in enumerate(mbs):
+            loss_of(k, mb).backward()
+
     def _old_logprobs(self, mbs: list[MicroBatch]) -> list[Any]:
         """Per micro-batch, the log-probs the ratio is taken against, or None for the rollout's: the trainer's own
         (proximal) ones for every token with ``algorithm.proximal``, else for the tokens of stale samples."""
         import torch
 
-        out: list[Any] = []
-        for mb in mbs:
-            stale = [it.stale for it in mb.items]
-            if not self.cfg.algorithm.proximal and not any(stale):
-                out.append(None)
-                continue
-            with torch.no_grad():
-                prox = self.sequence_logprobs(self.model, mb)[0]
-            if not self.cfg.algorithm.proximal:
-                per_token = torch.tensor(stale, device=prox.device)[mb.seq_ids]
+        proximal = self.cfg.algorithm.proximal
+        need = [k for k, mb in enumerate(mbs) if proximal or any(it.stale for it in mb.items)]
+        out: list[Any] = [None] * len(mbs)
+        for k, prox in zip(need, self._policy_logprobs([mbs[k] for k in need]), strict=True):
+            if prox is not None and not proximal:
+                mb = mbs[k]
+                per_token = torch.tensor([it.stale for it in mb.items], device=prox.device)[mb.seq_ids]
                 prox = torch.where(per_token, prox, mb.rollout_logprobs)
-            out.append(prox)
+            out[k] = prox
         return out
+
+    def _policy_logprobs(self, mbs: list[MicroBatch]) -> list[Any]:
+        """The trained model's log-probs [T] of each micro-batch, without gradients (None where a pipeline stage
+        does not have them)."""
+        import torch
+
+        with torch.no_grad():
+            return [self.sequence_logprobs(self.model, mb)[0] for mb in mbs]
 
     def finish_step(self) -> dict[str, float]:
         """Divide gradients by the global normaliser (all ranks), clip, step the optimizer. Returns metrics."""
