@@ -315,14 +315,15 @@ class MegatronBackend(TorchBackend):
     def _forward(self, mb: MicroBatch, *, hidden: bool = False) -> Any:
         """This TP rank's logits [T, V / tp] predicting each response token of ``mb`` (one packed row), or with
         ``hidden`` the final (normed) hidden states [T, H] at those positions: the GPT stops before its output
-        layer (megatron's ``post_process`` off for the call). The sequences reach the attention and RoPE through
-        :attr:`packing`; to megatron the row is one sequence."""
+        layer (megatron's ``post_process`` off for the call). The sequences' boundaries are the GPT's
+        ``attention_mask`` and its RoPE reads their positions (:attr:`packing`); to megatron the row is one
+        sequence."""
         if mb.input_ids.shape[0] != 1 or mb.model_kwargs:
             raise UserError("the megatron backend trains text-only micro-batches packed in one row")
         self.gpt.post_process = not hidden
         try:
-            with self.packing.use([it.num_tokens for it in mb.items], mb.position_ids[0]):
-                out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None)
+            with self.packing.use([it.num_tokens for it in mb.items], mb.position_ids[0]) as cu:
+                out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=cu)
         finally:  # [1, tokens, V / tp], or hidden states [tokens, 1, H]
             self.gpt.post_process = True
         return out[:, 0][mb.logit_index] if hidden else out[0, mb.logit_index]
@@ -403,12 +404,14 @@ class MegatronBackend(TorchBackend):
 
     def _finalize_grads(self) -> None:
         """megatron's ``finalize_model_grads``: the gradients summed over DP replicas, the replicated parts (QK-norm)
-        over TP. A single replica whose group is gloo on CUDA tensors (TP ranks sharing one GPU) skips the DP
-        part: there is nothing to sum, and gloo has no coalesced all-reduce of CUDA tensors."""
+        over TP. A single replica skips the DP part (there is nothing to sum) where megatron's sync cannot run:
+        on the CPU (megatron-core >= 0.19 asks for the current CUDA stream there), and where the group is gloo on
+        CUDA tensors (TP ranks sharing one GPU: gloo has no coalesced all-reduce of CUDA tensors)."""
         import torch.distributed as dist
         from megatron.core.distributed import finalize_model_grads
 
-        skip = self.dp_size == 1 and self.device.startswith("cuda") and dist.get_backend(self.dp_group) == "gloo"
+        gloo_cuda = self.device.startswith("cuda") and dist.get_backend(self.dp_group) == "gloo"
+        skip = self.dp_size == 1 and (not self.device.startswith("cuda") or gloo_cuda)
         if skip:
             self.model.finish_grad_sync = lambda *args, **kwargs: None  # this instance only, undone below
         try:

@@ -1,13 +1,14 @@
 """The pieces of the megatron backend that megatron-core's local layer spec lacks (imported only by the backend).
 
-- :class:`Packing`: the packed micro-batch the GPT runs on now (sequence boundaries on the model's device, the
-  longest sequence, every token's position), shared by the GPT's core attention modules and its RoPE. The GPT is
-  called without megatron's ``packed_seq_params`` (one [tokens, 1] sequence to megatron), so megatron-core's THD
-  paths stay out: its RoPE would split the row per sequence in every layer (a dozen small kernels per sequence, and
-  a host round trip of the boundaries), and every boundary copy to the GPU would wait for the GPU's queue.
+- :class:`Packing`: the packed micro-batches the GPT runs on (sequence boundaries on the model's device, given to
+  the GPT as its ``attention_mask``; the longest sequence; every token's position), shared by the GPT's core
+  attention modules and its RoPE. The GPT is called without megatron's ``packed_seq_params`` (one [tokens, 1]
+  sequence to megatron), so megatron-core's THD paths stay out: its RoPE would split the row per sequence in every
+  layer (a dozen small kernels per sequence, and a host round trip of the boundaries), and every boundary copy to
+  the GPU would wait for the GPU's queue.
 - :func:`position_rope`: the GPT's RoPE frequencies gathered at each token's position (one indexing kernel), which
   megatron-core then applies to the whole row at once.
-- :class:`PackedCoreAttention`: causal attention within each sequence of the :class:`Packing`, which megatron-core's
+- :class:`PackedCoreAttention`: causal attention within each sequence of the boundaries, which megatron-core's
   local ``DotProductAttention`` cannot do: causal ``scaled_dot_product_attention`` per sequence (GQA through
   ``enable_gqa``; no [T, T] mask; the same kernel call as the HF model's on one sequence), or on a GPU in half
   precision one call of torch's flash varlen kernel (``torch.nn.attention.varlen``, torch >= 2.10) where this torch
@@ -24,6 +25,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import itertools
@@ -52,29 +54,43 @@ def cpu_shim() -> None:
 
 
 class Packing:
-    """The packed sequences of the micro-batch being run (:meth:`use`): ``cu`` their boundaries [n + 1] (int32, on
-    the model's device), ``cu_host`` the same on the host, ``longest`` the longest length, ``positions`` [T] every
-    token's position within its sequence (on the device). Outside :meth:`use` the GPT's input is one sequence."""
+    """The packed sequences of the micro-batches the GPT runs on. :meth:`use` makes a micro-batch's boundaries
+    ``cu`` [n + 1] (int32, on the model's device), which the caller hands the GPT as its ``attention_mask``: megatron
+    passes it to every layer's attention unchanged and saves it with a recomputed layer's inputs, so a layer run
+    again in the backward pass (recompute, or a pipeline's later backward) finds its own micro-batch's boundaries.
+    The host side of each (the boundaries and the longest length, which the kernels need on the host) is kept by the
+    tensor's address for the last :data:`KEEP` micro-batches. ``positions`` [T] (every token's position within its
+    sequence) is read by :func:`position_rope` while :meth:`use` is in force."""
+
+    KEEP = 256
 
     def __init__(self) -> None:
-        self.cu: torch.Tensor | None = None
-        self.cu_host: torch.Tensor | None = None
-        self.longest = 0
         self.positions: torch.Tensor | None = None
+        self.longest = 0
+        self._host: collections.OrderedDict[int, tuple[torch.Tensor, int]] = collections.OrderedDict()
 
     @contextlib.contextmanager
-    def use(self, lengths: list[int], positions: torch.Tensor) -> Iterator[None]:
-        """The GPT's calls inside this block run on sequences of ``lengths`` packed in one row whose positions are
-        ``positions`` [T] (restarting at 0 in each sequence)."""
+    def use(self, lengths: list[int], positions: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The boundaries of sequences of ``lengths`` packed in one row whose positions are ``positions`` [T]
+        (restarting at 0 in each sequence), to pass as the GPT's ``attention_mask`` inside this block."""
         host = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
         device = positions.device
         cu = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-        self.cu, self.cu_host, self.longest, self.positions = cu, host, max(lengths), positions
+        self._host[cu.data_ptr()] = (host, max(lengths))
+        while len(self._host) > self.KEEP:
+            self._host.popitem(last=False)
+        self.positions, self.longest = positions, max(lengths)
         try:
-            yield
+            yield cu
         finally:
-            self.cu = self.cu_host = self.positions = None
-            self.longest = 0
+            self.positions, self.longest = None, 0
+
+    def host(self, cu: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(boundaries on the host, longest length) of boundaries ``cu`` that :meth:`use` made."""
+        found = self._host.get(cu.data_ptr())
+        if found is None or found[0].numel() != cu.numel():
+            raise RuntimeError("packed-sequence boundaries the Packing did not make (or made too long ago)")
+        return found
 
 
 def position_rope(rope: torch.nn.Module, packing: Packing) -> None:
@@ -91,9 +107,10 @@ def position_rope(rope: torch.nn.Module, packing: Packing) -> None:
 
 
 class PackedCoreAttention(MegatronModule):
-    """Causal attention within each sequence of :attr:`packing` (``query`` [T, 1, heads, d], ``key``/``value``
-    [T, 1, groups, d], SBHD with batch 1); returns [T, 1, heads * d]. Without a packing in use the input is one
-    sequence. The GPT's builder sets :attr:`packing` (one per GPT)."""
+    """Causal attention within each packed sequence (``query`` [T, 1, heads, d], ``key``/``value``
+    [T, 1, groups, d], SBHD with batch 1); returns [T, 1, heads * d]. The sequences' boundaries come as
+    ``attention_mask`` (:meth:`Packing.use`); without them (None) the input is one sequence. The GPT's builder
+    sets :attr:`packing` (one per GPT)."""
 
     packing: Packing | None = None
 
@@ -107,18 +124,18 @@ class PackedCoreAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
         assert attention_bias is None, "attention bias is not supported"
-        assert packed_seq_params is None, "packed sequences come through the Packing, not packed_seq_params"
+        assert packed_seq_params is None, "packed sequences come as the Packing's boundaries, not packed_seq_params"
         assert query.shape[1] == 1, "the input must have batch 1 (one packed row)"
         query, key, value = query[:, 0], key[:, 0], value[:, 0]
-        packing = self.packing
-        if packing is not None and packing.cu is not None:
-            cu, host, longest = packing.cu, packing.cu_host, packing.longest
+        if attention_mask is not None:
+            assert self.packing is not None, "the GPT's builder gives its attention modules the Packing"
+            cu = attention_mask
+            host, longest = self.packing.host(cu)
         else:
             host = torch.tensor([0, query.shape[0]], dtype=torch.int32)
             cu, longest = host.to(query.device), query.shape[0]
         out = varlen_causal(query, key, value, cu, longest, self.softmax_scale)
         if out is None:
-            assert host is not None
             out = sdpa_per_sequence(query, key, value, host, self.softmax_scale)
         return out.reshape(query.shape[0], 1, -1)
 
