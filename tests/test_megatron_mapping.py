@@ -156,7 +156,11 @@ def test_model_args_from_hf_config() -> None:
     assert t["tensor_model_parallel_size"] == 2 and t["pipeline_model_parallel_size"] == 2
     assert args.gpt["vocab_size"] == 256 and args.gpt["share_embeddings_and_output_weights"] is False
     assert args.gpt["rotary_base"] == int(hf["rope_parameters"]["rope_theta"]) and args.activation == "silu"
+    assert (args.gpt["pre_process"], args.gpt["post_process"]) == (True, False)  # stage 0 of 2: the embedding
+    last = model_args(hf, tp=2, pp=2, pp_rank=1).gpt
+    assert (last["pre_process"], last["post_process"]) == (False, True)  # the final norm and the output layer
     q3 = model_args(tiny_hf("qwen3", tied=True)[0])
+    assert q3.gpt["pre_process"] and q3.gpt["post_process"]
     assert q3.transformer["qk_layernorm"] and not q3.transformer["add_qkv_bias"]
     assert q3.gpt["share_embeddings_and_output_weights"] is True and q3.gpt["vocab_size"] == 128
     json.dumps([args.transformer, args.gpt])  # plain data
@@ -202,6 +206,8 @@ def test_validate_refuses_a_bad_megatron_recipe_in_one_line(tmp_path: Path) -> N
     good = _validate(tmp_path, "trainer.megatron.tp=2", "trainer.num_ranks=2")
     if HAVE_MCORE:
         assert good.returncode == 0, good.stderr
+        stages = _validate(tmp_path, "trainer.megatron.pp=2", "trainer.num_ranks=2")  # pipeline stages validate
+        assert stages.returncode == 0, stages.stderr
     else:
         assert good.returncode == 2 and len(good.stderr.strip().splitlines()) == 1
         assert "megatron-core, which is not installed: pip install megatron-core" in good.stderr
@@ -296,3 +302,10 @@ def test_tp2_shards_compute_the_hf_logits(arch: str, tied: bool) -> None:
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
+
+
+def test_each_layer_has_one_stage() -> None:
+    shape = M.ModelShape.from_hf(tiny_hf("qwen3", tied=True, layers=6)[0])
+    for pp in (1, 2, 3, 6):
+        owners = [M.layer_stage(shape, pp, i) for i in range(6)]
+        assert owners == [s for s in range(pp) for _ in M.stage_layers(shape, pp, s)]

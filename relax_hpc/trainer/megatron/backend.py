@@ -1,9 +1,10 @@
-"""The ``megatron`` trainer backend: megatron-core's ``GPTModel`` (local layer spec) with tensor and data parallelism.
+"""The ``megatron`` trainer backend: megatron-core's ``GPTModel`` (local layer spec) with tensor, pipeline and data
+parallelism.
 
 The model is built from the HF config (:func:`relax_hpc.trainer.megatron.config.model_args`: Qwen3 with QK-norm,
 Qwen2/2.5 with QKV biases, GQA, tied or untied embeddings) and its weights come from the HF model through
-:mod:`relax_hpc.trainer.megatron.mapping` (this rank's tensor-parallel shard). Micro-batches are packed sequences in
-one row, their boundaries and positions given to the attention and RoPE by a
+:mod:`relax_hpc.trainer.megatron.mapping` (this rank's tensor-parallel shard of its pipeline stage's layers).
+Micro-batches are packed sequences in one row, their boundaries and positions given to the attention and RoPE by a
 :class:`~relax_hpc.trainer.megatron.layers.Packing` (:class:`~relax_hpc.trainer.megatron.layers.PackedCoreAttention`;
 ``trainer.compile_layers`` compiles megatron's layers around it); log-probs and entropies are computed
 from the vocabulary-parallel logits (:func:`~relax_hpc.trainer.megatron.layers.vocab_parallel_logprobs`), then the
@@ -12,7 +13,16 @@ algorithm's loss is the torch backend's code path (this class extends
 metrics). Gradients live in megatron's ``DistributedDataParallel`` buffers (float32) and are summed over the
 data-parallel replicas by ``finalize_model_grads`` (which also sums the QK-norm gradients over TP); the step divides
 them by the global normaliser (tokens or sequences of every micro-batch of every data-parallel replica), clips by
-the norm over the unique parameters (all-reduced over TP), and steps AdamW.
+the norm over the unique parameters (all-reduced over TP and the pipeline stages), and steps AdamW.
+
+With ``trainer.megatron.pp > 1`` (:mod:`relax_hpc.trainer.megatron.pipeline`) each rank builds its stage's part of the
+GPT (the embedding on the first stage, the final norm and output layer on the last; a tied model's last stage holds a
+copy of the embedding, whose gradient megatron's ``finalize_model_grads`` sums with the first stage's). The torch
+backend's loop hands its micro-batches to two hooks: :meth:`MegatronBackend._backward` runs them through the 1F1B
+schedule of one ``accumulate`` (the loss, and the algorithm's inputs kept for the metrics, exist on the last stage
+only) and :meth:`MegatronBackend._policy_logprobs` runs the old/proximal log-probs forward-only through the stages; a
+reference or teacher model runs on the last stage only. The step's sums and metrics are broadcast from the last stage
+over the pipeline group, so every rank returns the same metrics.
 
 Choices forced by megatron-core 0.16.1 (the newest for Python 3.11), each to revisit on the GPU:
 
@@ -27,7 +37,10 @@ Choices forced by megatron-core 0.16.1 (the newest for Python 3.11), each to rev
   distributed optimizer needs it: with float32 norms beside bfloat16 weights in one param group, megatron's
   parameter-to-state index map points at the wrong main weights (its optimizer groups list the float32 shards
   first), and its checkpoints and ours read the wrong tensors.
-- Pipeline parallelism: megatron's pipeline schedule needs CUDA; ``pp > 1`` is refused when the backend is built.
+- Pipeline schedule: megatron's own (``pipeline_parallel/schedules.py``) makes its buffers on ``"cuda"`` and does
+  not run without CUDA; the backend has its own 1F1B over ``batch_isend_irecv`` (the ``pipeline`` module; no
+  interleaved stages). Building a tied model's last stage moves its embedding copy to CUDA; on a machine without
+  CUDA ``Tensor.cuda`` is the identity while the GPT is built (``pipeline.cuda_is_cpu``).
 - Checkpoints: the project's checkpoint format (``relax_hpc.trainer.checkpoint``): the whole model and the AdamW
   moments under HF names (gathered over TP through the weight mapping, and over DP from the distributed optimizer's
   ranges; with bfloat16 weights the float32 main weights too, as the moment ``main_param``), so a checkpoint
@@ -38,8 +51,10 @@ Choices forced by megatron-core 0.16.1 (the newest for Python 3.11), each to rev
   ``recompute_granularity="full"``, ``recompute_method="uniform"``, one layer per checkpoint).
 
 Weights leave under HF names: the TP shards are all-gathered layer by layer and regrouped by the mapping
-(:meth:`MegatronBackend.state_buckets` streams them a layer at a time); data-parallel replica 0's TP rank 0 (global
-rank 0) gets them.
+(:meth:`MegatronBackend.state_buckets` streams them a layer at a time); a later pipeline stage sends each of its
+layers on to the first stage as it is made; data-parallel replica 0's TP rank 0 of the first stage (global rank 0)
+gets them. Loading the project's checkpoint (whole HF-named tensors on every rank) gives each stage its shard, so a
+checkpoint made at one TP/PP/DP layout resumes at another.
 """
 
 from __future__ import annotations
@@ -62,7 +77,9 @@ from relax_hpc.trainer.megatron.mapping import (
     OUTPUT,
     ModelShape,
     hf_to_megatron,
+    layer_stage,
     megatron_stage_to_hf,
+    stage_layers,
 )
 from relax_hpc.trainer.torch_trainer import TorchBackend, _check_one_normaliser, _compiled_layers
 
@@ -183,17 +200,16 @@ class _DropMessage(logging.Filter):
 
 
 class MegatronBackend(TorchBackend):
-    """megatron-core GPT trained with TP x DP (module docstring); the loss path is :class:`TorchBackend`'s."""
+    """megatron-core GPT trained with TP x PP x DP (module docstring); the loss path is :class:`TorchBackend`'s."""
 
     def __init__(self, cfg: RecipeConfig, hf_model: Any, *, rank: int, world_size: int, device: str, dtype: Any,
                  algorithm: Any, ref_model: Any = None, teacher: Any = None):
         import torch
         from megatron.core import parallel_state as ps
 
+        from relax_hpc.trainer.megatron.pipeline import Stage
+
         mc = cfg.trainer.megatron
-        if mc.pp > 1:
-            raise UserError(f"trainer.megatron.pp={mc.pp}: the pipeline schedule is not wired into the megatron "
-                            "backend yet; use pp: 1 (tensor and data parallelism)")
         if not device.startswith("cuda") and torch.cuda.is_available():
             raise UserError("trainer.device: cpu with trainer.backend: megatron on a machine with a GPU: "
                             "megatron-core puts parts of the model (RoPE) on the current CUDA device; use "
@@ -206,6 +222,7 @@ class MegatronBackend(TorchBackend):
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), mc.tp
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        self.stage = Stage.of_this_rank(device)  # this rank's pipeline stage
         self.ref_model, self.teacher = ref_model, teacher
         self.dist_opt = mc.distributed_optimizer and not self._dist_opt_on_gloo_cuda()
         temp = cfg.rollout.sampling.temperature
@@ -258,24 +275,26 @@ class MegatronBackend(TorchBackend):
 
         from relax_hpc.trainer.megatron.config import ddp_args, model_args
         from relax_hpc.trainer.megatron.layers import PackedCoreAttention, Packing, position_rope
+        from relax_hpc.trainer.megatron.pipeline import cuda_is_cpu
 
         mc = self.cfg.trainer.megatron
-        args = model_args(self._hf_config.to_dict(), tp=mc.tp, pp=mc.pp, vocab_multiple=mc.vocab_multiple,
-                          recompute=self.cfg.model.gradient_checkpointing)
+        args = model_args(self._hf_config.to_dict(), tp=mc.tp, pp=mc.pp, pp_rank=self.stage.rank,
+                          vocab_multiple=mc.vocab_multiple, recompute=self.cfg.model.gradient_checkpointing)
         tc = TransformerConfig(**args.transformer, activation_func=getattr(torch.nn.functional, args.activation),
                                use_cpu_initialization=True, perform_initialization=False,
-                               params_dtype=self.dtype, bf16=self.dtype == torch.bfloat16)
+                               params_dtype=self.dtype, bf16=self.dtype == torch.bfloat16, pipeline_dtype=self.dtype)
         spec = get_gpt_layer_local_spec(qk_layernorm=args.transformer["qk_layernorm"], normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
-        gpt = GPTModel(tc, spec, **args.gpt)
+        with cuda_is_cpu():  # a last stage's copy of tied embeddings is moved to CUDA (pipeline.py)
+            gpt = GPTModel(tc, spec, **args.gpt)
         _mark_parallel(gpt)
         self.packing = Packing()
         position_rope(gpt.rotary_pos_emb, self.packing)
         for module in gpt.modules():
             if isinstance(module, PackedCoreAttention):
                 module.packing = self.packing
-        shard = hf_to_megatron(hf_model.state_dict(), self.shape, tp=mc.tp, tp_rank=self.tp_rank,
-                               vocab_multiple=mc.vocab_multiple)
+        shard = hf_to_megatron(hf_model.state_dict(), self.shape, tp=mc.tp, tp_rank=self.tp_rank, pp=mc.pp,
+                               pp_rank=self.stage.rank, vocab_multiple=mc.vocab_multiple)
         missing, unexpected = gpt.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         assert not missing and not unexpected, (missing, unexpected)
@@ -333,6 +352,10 @@ class MegatronBackend(TorchBackend):
         calls, all get them)."""
         import torch
 
+        if self.stage.size > 1:  # through the stages, from the last to every rank
+            from relax_hpc.trainer.megatron.pipeline import logits
+
+            return logits(self, input_ids)
         rows = []
         with torch.no_grad():
             for row in input_ids:
@@ -430,15 +453,19 @@ class MegatronBackend(TorchBackend):
 
     def _clip_grad_norm(self, max_norm: float) -> float:
         """The L2 norm of the whole model's gradient (each TP-sharded parameter's shards once, a replicated one
-        once) and ``torch.nn.utils.clip_grad_norm_``'s scaling by ``max_norm / (norm + 1e-6)`` when above 1."""
+        once, over every pipeline stage, a last stage's copy of tied embeddings not counted) and
+        ``torch.nn.utils.clip_grad_norm_``'s scaling by ``max_norm / (norm + 1e-6)`` when above 1."""
         import torch
         import torch.distributed as dist
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
 
-        mine = [p.grad for p in self.params.values() if param_is_not_tensor_parallel_duplicate(p)]
+        mine = [p.grad for p in self.params.values()
+                if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)]
         sq = torch.stack([g.double().pow(2).sum() for g in mine]).sum().cpu()
-        if self.tp_size > 1:
-            dist.all_reduce(sq, group=self.tp_group)
+        if self.tp_size * self.stage.size > 1:
+            dist.all_reduce(sq, group=ps.get_model_parallel_group())
         norm = float(sq.sqrt())
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
@@ -447,15 +474,18 @@ class MegatronBackend(TorchBackend):
         return norm
 
     def _all_reduce(self, d: dict[str, float]) -> dict[str, float]:
-        """``d`` summed over the data-parallel replicas (TP ranks of a replica hold the same values)."""
+        """``d`` summed over the data-parallel replicas (TP ranks of a replica hold the same values), as the last
+        pipeline stage has it (the losses and metrics exist there; counts are the same on every stage)."""
         import torch
         import torch.distributed as dist
 
-        if self.dp_size == 1:
+        if self.dp_size == 1 and self.stage.size == 1:
             return d
         keys = sorted(d)
         t = torch.tensor([d[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t, group=self.dp_group)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        t = self.stage.from_last(t, "the step's sums from the last stage")
         return dict(zip(keys, t.tolist(), strict=True))
 
     def sft_warmup(self, prompts: Any, tokenizer: Any, *, steps: int, lr: float, batch_size: int,
@@ -487,11 +517,7 @@ class MegatronBackend(TorchBackend):
                                    rollout_logprobs=np.zeros(len(a), np.float32), loss_mask=np.ones(len(a), np.float32))
                          for p, a in zip(batch, answers, strict=True)]
                 n_tok = self._all_reduce({"tok": float(sum(len(a) for a in answers))})["tok"]
-                total = 0.0
-                for mb in pack(items, max_tokens, device=self.device, rows=False):
-                    part = -(self.sequence_logprobs(self.model, mb)[0] * mb.loss_mask).sum()
-                    part.backward()
-                    total += float(part.detach())
+                total = self._sft_backward(pack(items, max_tokens, device=self.device, rows=False))
                 self._apply_gradient(opt, max(n_tok, 1.0))
                 loss = self._all_reduce({"loss": total})["loss"] / max(n_tok, 1.0)
         finally:
@@ -504,42 +530,88 @@ class MegatronBackend(TorchBackend):
                 reset_state(opt)
         return {"warmup/loss": loss, "warmup/steps": float(steps), "warmup/seconds": time.perf_counter() - t0}
 
+    def _sft_backward(self, mbs: list[MicroBatch]) -> float:
+        """Forward and backward of the summed answer cross-entropy of ``mbs``; the sum (on the last stage)."""
+        parts: list[float] = []
+
+        def loss_of(k: int, mb: MicroBatch) -> Any:
+            part = -(self.sequence_logprobs(self.model, mb)[0] * mb.loss_mask).sum()
+            parts.append(float(part.detach()))
+            return part
+
+        self._backward(mbs, loss_of)
+        return sum(parts)
+
+    # ------------------------------------------------------------------ pipeline stages
+    def _backward(self, mbs: list[MicroBatch], loss_of: Any) -> None:
+        """With pipeline stages, the micro-batches through the 1F1B schedule (``loss_of`` runs on the last stage)."""
+        if self.stage.size == 1:
+            super()._backward(mbs, loss_of)
+            return
+        from relax_hpc.trainer.megatron.pipeline import train
+
+        train(self, mbs, loss_of)
+
+    def _policy_logprobs(self, mbs: list[MicroBatch]) -> list[Any]:
+        """With pipeline stages, forward through them: the log-probs on the last stage, None on the others."""
+        if self.stage.size == 1:
+            return super()._policy_logprobs(mbs)
+        from relax_hpc.trainer.megatron.pipeline import forward_logprobs
+
+        return [None if r is None else r[0] for r in forward_logprobs(self, mbs)]
+
+    def _aux_logprobs(self, model: Any, mbs: list[MicroBatch]) -> list[Any]:
+        """A reference/teacher model's log-probs, where the loss is computed (the last pipeline stage)."""
+        return super()._aux_logprobs(model, mbs) if self.stage.last else [None] * len(mbs)
+
     # ------------------------------------------------------------------ weights out
-    def _units(self) -> Iterator[dict[str, Any]]:
+    def _units(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """This rank's parameters per unit of the HF layout (:meth:`_units_of`)."""
         return self._units_of({n: p.detach() for n, p in self.params.items()})
 
-    def _hf_units(self, units: Iterator[dict[str, Any]], *, weights: bool = True) -> Iterator[dict[str, Any]]:
+    def _hf_units(self, units: Iterator[tuple[int, dict[str, Any]]], *,
+                  weights: bool = True) -> Iterator[dict[str, Any]]:
         """Each unit's tensors under HF names (TP shards all-gathered within each replica's TP group, regrouped by
-        the mapping). Global rank 0 gets them, the other ranks of replica 0 empty dicts, other replicas nothing;
-        with :attr:`state_on_every_rank` (colocate) every rank gets them. ``weights``: a tied model's
-        ``lm_head.weight`` is there too, the embedding tensor itself (as in the HF model's ``state_dict()``, which
-        strict loaders expect)."""
-        import torch
-        import torch.distributed as dist
-
+        the mapping; a pipeline stage's units sent on to the first stage a unit at a time). Global rank 0 gets them,
+        the other ranks of replica 0 empty dicts, other replicas nothing; with :attr:`state_on_every_rank`
+        (colocate) every rank gets them. ``weights``: a tied model's ``lm_head.weight`` is there too, the embedding
+        tensor itself (as in the HF model's ``state_dict()``, which strict loaders expect)."""
         every = self.state_on_every_rank
         if self.dp_rank != 0 and not every:
             for _ in units:  # made anyway: the distributed optimizer's moments are all-reduced over DP per unit
                 pass
             return
-        n = self.shape.num_layers
-        for i, unit in enumerate(units):
-            shards: list[dict[str, Any]] = [{} for _ in range(self.tp_size)]
-            for name in sorted(unit):
-                t = unit[name].cpu().contiguous()
-                parts = [t] if self.tp_size == 1 else [torch.empty_like(t) for _ in range(self.tp_size)]
-                if self.tp_size > 1:
-                    dist.all_gather(parts, t, group=self.tp_group)
-                for r, part in enumerate(parts):
-                    shards[r][name] = part
+        mine = iter(units)
+        for i in range(self.shape.num_layers):
+            owner = layer_stage(self.shape, self.stage.size, i)
+            part: dict[str, Any] = {}
+            if owner == self.stage.rank:
+                j, unit = next(mine)
+                assert j == i, (j, i)
+                part = self._gathered(unit, i, convert=every or self.tp_rank == 0)
+            part = self.stage.hand_over(part, owner, every=every, to_first=self.tp_rank == 0)
             if self.rank != 0 and not every:
                 yield {}
                 continue
-            part = megatron_stage_to_hf(shards, self.shape, pp=n, pp_rank=i)
             if weights and self.shape.tied and HF_EMBED in part:
                 part[HF_HEAD] = part[HF_EMBED]
             yield part
+
+    def _gathered(self, unit: dict[str, Any], i: int, *, convert: bool) -> dict[str, Any]:
+        """Unit ``i`` (this TP rank's shards) under HF names, whole over TP (every TP rank calls: an all-gather per
+        tensor); ``{}`` without ``convert``."""
+        import torch
+        import torch.distributed as dist
+
+        shards: list[dict[str, Any]] = [{} for _ in range(self.tp_size)]
+        for name in sorted(unit):
+            t = unit[name].cpu().contiguous()
+            parts = [t] if self.tp_size == 1 else [torch.empty_like(t) for _ in range(self.tp_size)]
+            if self.tp_size > 1:
+                dist.all_gather(parts, t, group=self.tp_group)
+            for r, part in enumerate(parts):
+                shards[r][name] = part
+        return megatron_stage_to_hf(shards, self.shape, pp=self.shape.num_layers, pp_rank=i) if convert else {}
 
     def full_state_dict(self, *, copy: bool = False) -> dict[str, Any]:
         """The whole model under HF names on global rank 0 (every rank with ``state_on_every_rank``); new tensors (the
@@ -624,33 +696,34 @@ class MegatronBackend(TorchBackend):
         assert len(steps) == 1, steps
         return self.optimizer.state[next(iter(self.params.values()))]["step"]
 
-    def _moment_units(self, key: str) -> Iterator[dict[str, Any]]:
-        """Optimizer tensor ``key`` of every parameter (whole over DP), per unit of the HF layout (layer by layer:
-        the distributed optimizer's ranges are all-reduced one unit at a time)."""
+    def _moment_units(self, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Optimizer tensor ``key`` of every parameter of this stage (whole over DP), per unit of the HF layout (layer
+        by layer: the distributed optimizer's ranges are all-reduced one unit at a time)."""
         if not self.dist_opt:
             yield from self._units_of({n: self.optimizer.state[p][key] for n, p in self.params.items()})
             return
         from relax_hpc.trainer.megatron.optim import gather_moments
 
         internal = "param" if key == "main_param" else key
-        for unit in self._units_of(self.params):
+        for i, unit in self._units_of(self.params):
             whole = gather_moments(self.optimizer, self.dp_group, (internal,), params=list(unit.values()))
-            yield {name: whole[p][internal] for name, p in unit.items()}
+            yield i, {name: whole[p][internal] for name, p in unit.items()}
 
-    def _units_of(self, tensors: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """Per-parameter tensors (keyed by megatron parameter name) grouped per unit of the HF layout: layer 0
-        (with the embedding), ..., the last layer (with the final norm and the output layer), each layer's names
-        under local index 0 (:func:`megatron_stage_to_hf` with one layer per "stage")."""
+    def _units_of(self, tensors: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Per-parameter tensors of this pipeline stage (keyed by megatron parameter name, layers under local
+        indices) grouped per unit of the HF layout, with the unit's global index: layer 0 (with the embedding), ...,
+        the last layer (with the final norm and the output layer), each layer's names under local index 0
+        (:func:`megatron_stage_to_hf` with one layer per "stage")."""
         n = self.shape.num_layers
-        for i in range(n):
-            prefix = f"{_LAYER}{i}."
+        for local, i in enumerate(stage_layers(self.shape, self.stage.size, self.stage.rank)):
+            prefix = f"{_LAYER}{local}."
             unit = {f"{_LAYER}0.{k[len(prefix):]}": v for k, v in tensors.items() if k.startswith(prefix)}
             for name in (EMBED,) if i == 0 else ():
                 unit[name] = tensors[name]
             for name in (FINAL_NORM, OUTPUT) if i == n - 1 else ():
                 if name in tensors:
                     unit[name] = tensors[name]
-            yield unit
+            yield i, unit
 
     def load_checkpoint_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
         """This rank's shards of a whole HF-named model (and AdamW state) from :meth:`checkpoint_state`; with the
@@ -661,7 +734,8 @@ class MegatronBackend(TorchBackend):
         mc = self.cfg.trainer.megatron
 
         def shard(hf_sd: dict[str, Any]) -> dict[str, Any]:
-            return hf_to_megatron(hf_sd, self.shape, tp=mc.tp, tp_rank=self.tp_rank, vocab_multiple=mc.vocab_multiple)
+            return hf_to_megatron(hf_sd, self.shape, tp=mc.tp, tp_rank=self.tp_rank, pp=mc.pp,
+                                  pp_rank=self.stage.rank, vocab_multiple=mc.vocab_multiple)
 
         st = (optim_sd or {}).get("state") or {}
         if self.dist_opt:

@@ -47,9 +47,10 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def model_args(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, vocab_multiple: int = 128,
+def model_args(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, pp_rank: int = 0, vocab_multiple: int = 128,
                recompute: bool = False) -> ModelArgs:
-    """The ``TransformerConfig`` and ``GPTModel`` keyword arguments of HF config ``hf`` (checked first).
+    """The ``TransformerConfig`` and ``GPTModel`` keyword arguments of HF config ``hf`` (checked first) for pipeline
+    stage ``pp_rank`` of ``pp`` (the embedding on the first, the final norm and output layer on the last).
     ``recompute``: every layer's activations recomputed in the backward pass (full, uniform, one layer each)."""
     shape = ModelShape.from_hf(hf)
     check_layout(shape, tp=tp, pp=pp)
@@ -74,7 +75,8 @@ def model_args(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, vocab_multipl
         "vocab_size": padded_vocab_size(shape.vocab_size, tp, vocab_multiple),
         "max_sequence_length": int(hf.get("max_position_embeddings", 4096)),
         "position_embedding_type": "rope", "rotary_base": int(theta) if theta.is_integer() else theta,
-        "share_embeddings_and_output_weights": shape.tied,
+        "share_embeddings_and_output_weights": shape.tied, "pre_process": pp_rank == 0,
+        "post_process": pp_rank == pp - 1,
     }
     return ModelArgs(transformer=transformer, gpt=gpt, activation=ACTIVATIONS[act])
 
@@ -166,7 +168,4 @@ def check_recipe(cfg: RecipeConfig) -> None:
         check_layout(shape, tp=mc.tp, pp=mc.pp)
         _rope_theta(hf)
     check_ranks(cfg.trainer.num_ranks, tp=mc.tp, pp=mc.pp)
-    if mc.pp > 1:
-        raise UserError(f"trainer.megatron.pp={mc.pp}: the pipeline schedule is not wired into the megatron backend "
-                        "yet; use pp: 1 (tensor x data parallelism)")
     require_megatron_core()

@@ -137,6 +137,12 @@ def stage_layers(shape: ModelShape, pp: int, pp_rank: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
+def layer_stage(shape: ModelShape, pp: int, layer: int) -> int:
+    """The pipeline stage of ``pp`` that holds global layer ``layer`` (the inverse of :func:`stage_layers`)."""
+    assert shape.num_layers % pp == 0 and 0 <= layer < shape.num_layers, (shape.num_layers, pp, layer)
+    return layer // (shape.num_layers // pp)
+
+
 def _mcore_name(rule: Rule, local: int, fused_norms: bool) -> str:
     name = FUSED_NORM_NAMES.get(rule.mcore, rule.mcore) if fused_norms else rule.mcore
     return f"decoder.layers.{local}.{name}"

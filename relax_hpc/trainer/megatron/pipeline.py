@@ -148,6 +148,7 @@ class Stage:
         return t.to(self.device).requires_grad_(grad)
 
     def send_forward(self, k: int, out: torch.Tensor) -> None:
+        """Micro-batch ``k``'s activation to the next stage (nothing on the last)."""
         if not self.last:
             self.exchange([(out, self.rank + 1)], [], f"micro-batch {k}'s activation to the next stage")
 
@@ -172,12 +173,14 @@ class Stage:
         return t.to(self.device).requires_grad_(True)
 
     def recv_backward(self, j: int, shape: Shape, dtype: torch.dtype) -> torch.Tensor | None:
+        """Micro-batch ``j``'s output gradient from the next stage (None on the last)."""
         if self.last:
             return None
         (g,) = self.exchange([], [(shape, dtype, self.rank + 1)], f"micro-batch {j}'s gradient from the next stage")
         return g.to(self.device)
 
     def send_backward(self, j: int, grad: torch.Tensor | None) -> None:
+        """Micro-batch ``j``'s input gradient to the previous stage (nothing on the first)."""
         if not self.first:
             assert grad is not None
             self.exchange([(grad, self.rank - 1)], [], f"micro-batch {j}'s gradient to the previous stage")
@@ -199,14 +202,15 @@ class Stage:
         return part
 
     def _send_part(self, part: dict[str, torch.Tensor], owner: int) -> None:
-        names = sorted(part)
-        head = torch.frombuffer(bytearray(json.dumps([[n, list(part[n].shape), str(part[n].dtype)] for n in names])
-                                          .encode()), dtype=torch.uint8)
+        """``part`` to the first stage: the header's length, the header, the tensors (in the receiver's batches)."""
+        head = _header(part)
         what = f"layer unit from stage {owner} to the first stage"
         self.exchange([(torch.tensor([head.numel()]), 0)], [], what)
-        self.exchange([(head, 0), *((part[n], 0) for n in names)], [], what)
+        self.exchange([(head, 0)], [], what)
+        self.exchange([(part[n], 0) for n in sorted(part)], [], what)
 
     def _recv_part(self, owner: int) -> dict[str, torch.Tensor]:
+        """What :meth:`_send_part` of stage ``owner`` sends, as CPU tensors."""
         what = f"layer unit from stage {owner} to the first stage"
         (size,) = self.exchange([], [((1,), torch.int64, owner)], what)
         (head,) = self.exchange([], [((int(size),), torch.uint8, owner)], what)
@@ -215,20 +219,25 @@ class Stage:
         return {name: t.cpu() for (name, _, _), t in zip(layout, got, strict=True)}
 
     def _broadcast_part(self, part: dict[str, torch.Tensor], owner: int) -> dict[str, torch.Tensor]:
+        """``part`` of stage ``owner`` on every stage (CPU tensors): the header's length, the header, the tensors."""
         src, mine = self.ranks[owner], self.rank == owner
         what = f"layer unit from stage {owner} to every stage"
-        names = sorted(part)
-        text = json.dumps([[n, list(part[n].shape), str(part[n].dtype)] for n in names]).encode() if mine else b""
-        size = torch.tensor([len(text)]).to(self.wire)
+        head = _header(part) if mine else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([head.numel()]).to(self.wire)
         self._wait([dist.broadcast(size, src=src, group=self.group, async_op=True)], what)
-        head = (torch.frombuffer(bytearray(text), dtype=torch.uint8) if mine
-                else torch.empty(int(size), dtype=torch.uint8)).to(self.wire)
+        head = (head if mine else torch.empty(int(size), dtype=torch.uint8)).to(self.wire)
         self._wait([dist.broadcast(head, src=src, group=self.group, async_op=True)], what)
         layout = _layout(head)
         bufs = [part[n].to(self.wire).contiguous() if mine else torch.empty(tuple(s), dtype=d, device=self.wire)
                 for n, s, d in layout]
         self._wait([dist.broadcast(b, src=src, group=self.group, async_op=True) for b in bufs], what)
         return part if mine else {n: b.cpu() for (n, _, _), b in zip(layout, bufs, strict=True)}
+
+
+def _header(part: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The JSON header (uint8) of a unit: [name, shape, dtype] of each tensor, by name."""
+    rows = [[n, list(part[n].shape), str(part[n].dtype)] for n in sorted(part)]
+    return torch.frombuffer(bytearray(json.dumps(rows).encode()), dtype=torch.uint8)
 
 
 def _layout(head: torch.Tensor) -> list[tuple[str, list[int], torch.dtype]]:
@@ -250,6 +259,13 @@ def _backward(inp: torch.Tensor | None, out: torch.Tensor, grad: torch.Tensor | 
     return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
 
+def _checked(stage: Stage, out: Any, shape: Shape, dtype: torch.dtype) -> Any:
+    """``out``; a stage's activation must have the shape and dtype the next stage receives into."""
+    if not stage.last:
+        assert tuple(out.shape) == shape and out.dtype == dtype, (tuple(out.shape), out.dtype, shape, dtype)
+    return out
+
+
 def one_f_one_b(stage: Stage, shapes: Sequence[Shape], dtype: torch.dtype, run: Run) -> None:
     """Forward and backward of micro-batches ``0 .. len(shapes) - 1`` in 1F1B order (module docstring); ``shapes``
     are the activations' shapes, the same on every stage."""
@@ -258,12 +274,12 @@ def one_f_one_b(stage: Stage, shapes: Sequence[Shape], dtype: torch.dtype, run: 
     alive: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()
     for k in range(warm):
         inp = stage.recv_forward(k, shapes[k], dtype, grad=True)
-        out = run(k, inp)
+        out = _checked(stage, run(k, inp), shapes[k], dtype)
         stage.send_forward(k, out)
         alive.append((k, inp, out))
     inp = stage.recv_forward(warm, shapes[warm], dtype, grad=True) if warm < n else None
     for k in range(warm, n):
-        out = run(k, inp)
+        out = _checked(stage, run(k, inp), shapes[k], dtype)
         j = k - warm  # the oldest micro-batch in flight: its gradient comes back now
         grad = stage.send_forward_recv_backward(k, out, j, shapes[j], dtype)
         alive.append((k, inp, out))
@@ -285,7 +301,7 @@ def forward_only(stage: Stage, shapes: Sequence[Shape], dtype: torch.dtype, run:
     other stages)."""
     results: list[Any] = []
     for k, shape in enumerate(shapes):
-        out = run(k, stage.recv_forward(k, shape, dtype, grad=False))
+        out = _checked(stage, run(k, stage.recv_forward(k, shape, dtype, grad=False)), shape, dtype)
         if not stage.last:
             stage.send_forward(k, out)
             out = None
@@ -310,9 +326,10 @@ def _input(backend: MegatronBackend, inp: torch.Tensor | None) -> Iterator[None]
 
 
 def _hidden(backend: MegatronBackend, mb: MicroBatch) -> torch.Tensor:
-    """A stage that is not the last: its output hidden states [T, 1, H] for micro-batch ``mb`` (one packed row)."""
-    with backend.packing.use([it.num_tokens for it in mb.items], mb.position_ids[0]):
-        return backend.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None)
+    """A stage that is not the last: its output hidden states [T, 1, H] for micro-batch ``mb`` (one packed row; the
+    sequences' boundaries are the GPT's ``attention_mask``, as in the backend's ``_forward``)."""
+    with backend.packing.use([it.num_tokens for it in mb.items], mb.position_ids[0]) as cu:
+        return backend.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=cu)
 
 
 def train(backend: MegatronBackend, mbs: Sequence[MicroBatch], loss_of: Callable[[int, MicroBatch], Any]) -> None:
@@ -360,8 +377,9 @@ def logits(backend: MegatronBackend, input_ids: torch.Tensor) -> torch.Tensor:
 
     with torch.no_grad():
         outs = forward_only(stage, [_shape(backend, length)] * rows, backend.dtype, run)
-        full = torch.stack(outs) if stage.last else torch.empty(rows, length, backend.shape.vocab_size,
-                                                                dtype=backend.dtype, device=input_ids.device)
+        shape = (rows, length, backend.shape.vocab_size)
+        full = (torch.stack(outs).to(backend.dtype) if stage.last
+                else torch.empty(shape, dtype=backend.dtype, device=input_ids.device))
     return stage.from_last(full, "the logits from the last stage")
 
 
