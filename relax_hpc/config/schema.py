@@ -508,8 +508,8 @@ class TrainerConfig(Section):
     """The learner."""
 
     backend: Literal["torch", "megatron"] = "torch"
-    """``torch`` (HF model, FSDP2 over ranks) or ``megatron`` (megatron-core ``GPTModel``: tensor x data parallelism;
-    runs on the CPU over gloo too; needs the ``megatron`` extra)."""
+    """``torch`` (HF model, FSDP2 over ranks) or ``megatron`` (megatron-core ``GPTModel``: tensor x pipeline x data
+    parallelism; runs on the CPU over gloo too; needs the ``megatron`` extra)."""
     num_ranks: int = Field(1, ge=1)
     """Data-parallel trainer ranks (FSDP2 ``fully_shard`` when > 1; gloo on CPU, NCCL on GPU)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
