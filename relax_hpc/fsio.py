@@ -178,20 +178,26 @@ def staged_dir(final: Path | str, *, marker: str = COMPLETE_MARKER, marker_conte
         raise RunDirError(_describe_oserror(exc, tmp)) from exc
     try:
         yield tmp
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                _fsync_file(p)
-        atomic_write_text(tmp / marker, marker_content)
-        fsync_dir(tmp)
-        if final.exists():
-            raise RunDirError(f"cannot publish {final}: it already exists")
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
+        publish_dir(tmp, final, marker=marker, marker_content=marker_content)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
             raise RunDirError(_describe_oserror(exc, final)) from exc
         raise
+
+
+def publish_dir(tmp: Path, final: Path, *, marker: str = COMPLETE_MARKER, marker_content: str = "") -> None:
+    """Publish the filled folder ``tmp`` as ``final`` (which must not exist yet): every file fsynced, the ``marker``
+    written last, one rename (what :func:`staged_dir` does on exit; for a folder several processes filled)."""
+    for p in tmp.rglob("*"):
+        if p.is_file():
+            _fsync_file(p)
+    atomic_write_text(tmp / marker, marker_content)
+    fsync_dir(tmp)
+    if final.exists():
+        raise RunDirError(f"cannot publish {final}: it already exists")
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
 
 
 def _fsync_file(path: Path) -> None:

@@ -20,6 +20,7 @@ Layout::
       weights/leases/               readers' leases on snapshots they are loading
       weights/pins/                 pinned versions, never deleted by retention
       checkpoints/step_NNNNNNNN/    trainer checkpoints (COMPLETE marker); checkpoints/LATEST
+      checkpoints/.tmp-step_NNNNNNNN.parts/  every trainer rank's shards of a sharded checkpoint being written
       logs/events/<proc>.jsonl      each process's event and metric lines (single writer)
       logs/<proc>.log               each process's text log
       logs/tensorboard/<proc>/      TensorBoard event files (when monitor.tensorboard is on)
@@ -194,6 +195,11 @@ class RunDir:
     @property
     def checkpoints_latest(self) -> Path:
         return self.checkpoints / "LATEST"
+
+    def checkpoint_staging(self, step: int) -> Path:
+        """Shared staging folder where every trainer rank writes its shards of a sharded checkpoint of ``step``
+        before the leader publishes it as :meth:`checkpoint` (a debris name: a killed save leaves only debris)."""
+        return self.checkpoints / f"{TMP_PREFIX}step_{step:08d}.parts"
 
     # ---------------------------------------------------------------- logs, heartbeats, rendezvous, control
     @property

@@ -502,6 +502,20 @@ class MegatronConfig(Section):
     vocab_multiple: int = Field(128, ge=1)
     """The vocabulary is padded with zero rows to a multiple of ``vocab_multiple * tp`` (dropped again in HF
     weights)."""
+    checkpoint_format: Literal["auto", "dist", "full"] = "auto"
+    """The run's checkpoints. ``dist``: megatron's ``dist_checkpointing`` (every rank writes its own shards of the
+    model and of the distributed optimizer's state, nothing is gathered to one host; loads at another data-parallel
+    size, but only with the same ``tp``, ``pp`` and backend); needs ``distributed_optimizer``. ``full``: the project's
+    format (the whole model and optimizer state under HF names, gathered to rank 0; loads in either backend at any
+    layout). ``auto``: ``dist`` with the distributed optimizer, else ``full``. Either format resumes a checkpoint of
+    the other where it can: a ``dist`` one with this backend, the distributed optimizer and its ``tp``/``pp``."""
+
+    @model_validator(mode="after")
+    def _dist_needs_the_distributed_optimizer(self) -> MegatronConfig:
+        if self.checkpoint_format == "dist" and not self.distributed_optimizer:
+            raise ValueError("checkpoint_format: dist needs the distributed optimizer (it holds the sharded state); "
+                             "set distributed_optimizer: true, or checkpoint_format: full")
+        return self
 
 
 class TrainerConfig(Section):
@@ -530,10 +544,14 @@ class TrainerConfig(Section):
     """Checkpoint every N steps (and always on SIGTERM/SIGUSR2 and at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many checkpoints to keep."""
+    checkpoint_timeout_s: float = Field(1800.0, gt=0)
+    """How long the leader waits for every rank's part of a sharded checkpoint (``trainer.megatron.checkpoint_format:
+    dist``) before it fails the save; the previous checkpoint stays the latest."""
     async_checkpoint: bool = False
     """Write periodic checkpoints on a background thread: the step only takes a CPU copy of the weights, optimizer
     state and RNG (that much extra host memory while the write runs); the store position is committed once the
-    checkpoint is durable. Checkpoints on a signal or at the end are always written before the role exits."""
+    checkpoint is durable. Checkpoints on a signal or at the end are always written before the role exits. Applies to
+    the gathered format; megatron's ``dist`` checkpoints are written in the loop (every rank its own shards)."""
     export_final: bool = True
     """Export the final model in HF format to ``RUN_DIR/export``."""
     fused_head: bool = False

@@ -12,6 +12,11 @@ Weights leave a backend only under HF names (the keys ``from_pretrained`` expect
 :meth:`TrainerBackend.full_state_dict` for snapshots and the fast path, :meth:`TrainerBackend.state_buckets` to
 stream them in bounded pieces, :meth:`TrainerBackend.export_hf` for the final model.
 
+Checkpoints come in two shapes: :meth:`TrainerBackend.checkpoint_state` gathers the whole model and optimizer state
+under HF names to rank 0 (the project's format: loads in any backend, at any parallel layout); a backend that has a
+:class:`ShardedCheckpoint` (:meth:`TrainerBackend.sharded_checkpoint`) lets every rank write its own shards instead
+(no host holds the whole state; loads only at the layout it names).
+
 A new backend plugs in as one module (or package) with a class implementing this ABC and a ``build(cfg, **kw)``
 function, a ``trainer.backend`` value in the schema (and its own config section), and one entry in
 :data:`BACKENDS`; the conformance suite ``tests/backend_conformance.py`` checks it.
@@ -114,11 +119,48 @@ class TrainerBackend(ABC):
     def load_checkpoint_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
         """Restore what :meth:`checkpoint_state` gave (bitwise: continued training is identical)."""
 
+    def sharded_checkpoint(self) -> ShardedCheckpoint | None:
+        """The backend's sharded checkpoint format for this run (:class:`ShardedCheckpoint`: every rank writes its own
+        shards), which the session dispatches on once; None (the default): checkpoints are :meth:`checkpoint_state`
+        gathered to rank 0 in the project's format."""
+        return None
+
     # ------------------------------------------------------------------ optional
     def sft_warmup(self, prompts: Any, tokenizer: Any, *, steps: int, lr: float, batch_size: int,
                    max_tokens: int) -> dict[str, float]:
         """Supervised warm-up steps on the (prompt, answer) pairs of ``prompts`` before RL; returns metrics."""
         raise UserError(f"trainer backend {type(self).__name__} has no supervised warm-up (set warmup.steps: 0)")
+
+
+class ShardedCheckpoint(ABC):
+    """A backend's own checkpoint format in which every rank writes its shards of the model and the optimizer into
+    one folder (nothing is gathered to one host). The session gives it ``checkpoints/step_N/<name>/`` beside the state
+    JSON; the leader publishes the step only after every rank's part is written. A checkpoint in this format loads
+    only into a trainer whose recipe has the settings of :meth:`layout` (recorded in the checkpoint)."""
+
+    name: str
+    """The format's name: its folder in the step's checkpoint folder and the ``sharded.format`` of its state JSON."""
+    active: bool
+    """Whether this run's checkpoints are written in this format (else in the gathered one); a checkpoint in it is
+    loaded either way."""
+    elsewhere: str = ""
+    """How to get a checkpoint that loads with other settings (said when a checkpoint in this format does not load)."""
+
+    @abstractmethod
+    def layout(self) -> dict[str, Any]:
+        """The recipe settings (dotted config paths -> values) that a checkpoint in this format needs to load."""
+
+    @abstractmethod
+    def save(self, folder: Path) -> None:
+        """Every rank calls with the same existing, empty ``folder``: writes this rank's shards (durable on return)."""
+
+    @abstractmethod
+    def load(self, folder: Path) -> None:
+        """Every rank calls: the model and the optimizer state from ``folder`` (continued training is identical)."""
+
+    def close(self) -> None:
+        """Release what the writes keep between checkpoints (helper processes); the session calls it at its end."""
+        return None
 
 
 BACKENDS: dict[str, str] = {

@@ -1,11 +1,18 @@
 """What every trainer-side loop shares: resume, periodic checkpoints, weight publishing, final export, metrics.
 
 The checkpoint holds the model, optimizer, RNG states, the prompt stream's position (colocate), the sample store's
-read position (so a resumed trainer neither skips nor repeats a shard) and the policy version.
+read position (so a resumed trainer neither skips nor repeats a shard) and the policy version. Its model and optimizer
+come in one of two formats (:mod:`relax_hpc.trainer.checkpoint`), chosen once from the backend: gathered to rank 0
+(the backend's ``checkpoint_state``; written in the loop or, with ``background``, on a writer thread), or the
+backend's :class:`~relax_hpc.trainer.backend.ShardedCheckpoint`, where every rank writes its own shards. The sharded
+save is a collective of every trainer rank, so it runs in the loop (the step waits for this rank's shards; a
+background thread would have to make its collectives beside the training step's). Resuming reads whichever format
+the latest checkpoint has; a sharded one loads only where the recipe has the settings it was written with.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -14,12 +21,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.errors import UserError
 from relax_hpc.events import EventLog
 from relax_hpc.rundir import RunDir
-from relax_hpc.trainer.checkpoint import capture, latest_checkpoint, load_checkpoint, save_checkpoint
+from relax_hpc.trainer.checkpoint import (
+    capture,
+    latest_checkpoint,
+    load_checkpoint,
+    load_sharded_checkpoint,
+    read_checkpoint_state,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 
 if TYPE_CHECKING:
-    from relax_hpc.trainer.backend import TrainerBackend
+    from relax_hpc.trainer.backend import ShardedCheckpoint, TrainerBackend
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +66,12 @@ class TrainerSession:
         self.version = 0
         self.last_checkpoint_step = -1
         """The step of the last checkpoint taken (written, or being written in the background)."""
+        self.sharded = trainer.sharded_checkpoint()
+        """The backend's sharded checkpoint format (None: only the gathered one); its ``active`` says whether this
+        run's checkpoints are written in it."""
+        if self.sharded is not None and self.sharded.active and cfg.trainer.async_checkpoint and rank == 0:
+            log.warning("trainer.async_checkpoint does not apply to the %r sharded checkpoints: every rank writes its "
+                        "shards in the loop (a collective)", self.sharded.name)
         self._writer: Any = None
         self._pending: tuple[Future[Path], tuple[int, float, Callable[[], None] | None]] | None = None
         self.sinks = sinks if rank == 0 else None
@@ -70,6 +92,8 @@ class TrainerSession:
         self.drain()
         if self._writer is not None:
             self._writer.shutdown()
+        if self.sharded is not None:
+            self.sharded.close()
         if self.sinks is not None:
             self.sinks.close()
 
@@ -78,8 +102,12 @@ class TrainerSession:
         path = latest_checkpoint(self.run_dir)
         if path is None:
             return None
-        model_sd, optim_sd, state = load_checkpoint(path)
-        self.trainer.load_checkpoint_state(model_sd, optim_sd)
+        state = read_checkpoint_state(path)
+        if "sharded" in state:
+            load_sharded_checkpoint(path, state, self._reader_of(path, state["sharded"]))
+        else:
+            model_sd, optim_sd, state = load_checkpoint(path)
+            self.trainer.load_checkpoint_state(model_sd, optim_sd)
         self.trainer.step = int(state["step"])
         self.version = int(state.get("version", state["step"]))
         self.last_checkpoint_step = self.trainer.step
@@ -87,13 +115,31 @@ class TrainerSession:
         log.info("resumed from %s (step %d, version %d)", path, self.trainer.step, self.version)
         return state
 
+    def _reader_of(self, path: Path, info: dict[str, Any]) -> ShardedCheckpoint:
+        """The backend's sharded format, if it reads checkpoint ``path`` (``info``: its state JSON's ``sharded``);
+        otherwise one :class:`UserError` naming the settings the checkpoint loads with."""
+        layout = info.get("layout") or {}
+        differ = {k: v for k, v in layout.items() if _setting(self.cfg, k) != v}
+        if self.sharded is not None and self.sharded.name == info.get("format") and not differ:
+            return self.sharded
+        want = ", ".join(f"{k}: {json.dumps(v)}" for k, v in (differ or layout).items())
+        why = ("this run has " + ", ".join(f"{k}: {json.dumps(_setting(self.cfg, k))}" for k in differ) if differ
+               else "this trainer has no reader for it here")
+        also = f", or {info['elsewhere']}" if info.get("elsewhere") else ""
+        raise UserError(f"{path} is a {info.get('format')!r} sharded checkpoint, which loads only with {want} ({why}); "
+                        f"resume with those settings{also}")
+
     def checkpoint(self, extra_state: dict[str, Any], *, on_saved: Callable[[], None] | None = None,
                    background: bool = False) -> None:
-        """Checkpoint the current step (every rank calls; rank 0 writes). ``on_saved`` runs on this thread once the
-        checkpoint is durable (e.g. committing the store position it holds): before this returns or, with
-        ``background``, when :meth:`poll` or :meth:`drain` finds the background write done. The content (weights,
-        optimizer, RNG) is taken now either way; a background write holds one CPU copy of it."""
+        """Checkpoint the current step (every rank calls; rank 0 writes, or every rank its shards in the sharded
+        format). ``on_saved`` runs on this thread once the checkpoint is durable (e.g. committing the store position
+        it holds): before this returns or, with ``background``, when :meth:`poll` or :meth:`drain` finds the
+        background write done. The content (weights, optimizer, RNG) is taken now either way; a background write
+        holds one CPU copy of it. The sharded format is always written before this returns (module docstring)."""
         self.drain()
+        if self.sharded is not None and self.sharded.active:
+            self._checkpoint_sharded(self.sharded, extra_state, on_saved)
+            return
         t0 = time.perf_counter()
         from relax_hpc.trainer.gpu_checkpoint import capture_on_gpu
 
@@ -124,6 +170,20 @@ class TrainerSession:
             return save_checkpoint(self.run_dir, step, data=data, state=state, keep=self.cfg.trainer.keep_checkpoints)
 
         self._pending = (self._writer.submit(write), job)
+
+    def _checkpoint_sharded(self, sharded: ShardedCheckpoint, extra_state: dict[str, Any],
+                            on_saved: Callable[[], None] | None) -> None:
+        """Every rank writes its shards now; rank 0 publishes the step once every rank's part is in."""
+        t0 = time.perf_counter()
+        step = self.trainer.step
+        self.last_checkpoint_step = step
+        save_sharded_checkpoint(self.run_dir, step, sharded, rank=self.rank, world_size=self.trainer.world_size,
+                                state={"version": self.version, **extra_state},
+                                keep=self.cfg.trainer.keep_checkpoints, timeout_s=self.cfg.trainer.checkpoint_timeout_s)
+        if self.rank == 0:
+            self._saved(step, t0, on_saved)
+        elif on_saved is not None:
+            on_saved()
 
     def _saved(self, step: int, t0: float, on_saved: Callable[[], None] | None) -> None:
         self.events.event("checkpoint_saved", f"checkpoint at step {step}", step=step,
@@ -170,3 +230,11 @@ class TrainerSession:
         with staged_dir(final) as tmp:
             self.trainer.export_hf(tmp, self.tokenizer)
         self.events.event("exported", f"final model exported to {final}", step=self.trainer.step, path=str(final))
+
+
+def _setting(cfg: RecipeConfig, dotted: str) -> Any:
+    """The value of the recipe setting ``dotted`` (``trainer.megatron.tp``), None where there is no such field."""
+    value: Any = cfg
+    for name in dotted.split("."):
+        value = getattr(value, name, None)
+    return value

@@ -41,12 +41,14 @@ Choices forced by megatron-core 0.16.1 (the newest for Python 3.11), each to rev
   not run without CUDA; the backend has its own 1F1B over ``batch_isend_irecv`` (the ``pipeline`` module; no
   interleaved stages). Building a tied model's last stage moves its embedding copy to CUDA; on a machine without
   CUDA ``Tensor.cuda`` is the identity while the GPT is built (``pipeline.cuda_is_cpu``).
-- Checkpoints: the project's checkpoint format (``relax_hpc.trainer.checkpoint``): the whole model and the AdamW
-  moments under HF names (gathered over TP through the weight mapping, and over DP from the distributed optimizer's
-  ranges; with bfloat16 weights the float32 main weights too, as the moment ``main_param``), so a checkpoint
-  resumes at any TP/DP size and in either backend. With the distributed optimizer,
-  :meth:`MegatronBackend.save_dist_checkpoint` / :meth:`~MegatronBackend.load_dist_checkpoint` write and read
-  megatron's ``dist_checkpointing`` format instead (every rank its own shards; loads at another DP size).
+- Checkpoints: with the distributed optimizer, by default megatron's ``dist_checkpointing`` format
+  (:meth:`MegatronBackend.save_dist_checkpoint` / :meth:`~MegatronBackend.load_dist_checkpoint`: every rank its
+  own shards; loads at another DP size, not another TP/PP size), which the run loop takes through
+  :meth:`MegatronBackend.sharded_checkpoint` (:mod:`relax_hpc.trainer.megatron.dist_checkpoint`). Otherwise
+  (``trainer.megatron.checkpoint_format: full``, or no distributed optimizer) the project's format
+  (``relax_hpc.trainer.checkpoint``): the whole model and the AdamW moments under HF names (gathered over TP through
+  the weight mapping, and over DP from the distributed optimizer's ranges; with bfloat16 weights the float32 main
+  weights too, as the moment ``main_param``), so a checkpoint resumes at any TP/DP size and in either backend.
 - Recompute: ``model.gradient_checkpointing`` recomputes every transformer layer in the backward pass (megatron's
   ``recompute_granularity="full"``, ``recompute_method="uniform"``, one layer per checkpoint).
 
@@ -781,6 +783,13 @@ class MegatronBackend(TorchBackend):
 
         self._need_dist_opt("load_dist_checkpoint")
         load_dist_checkpoint(path, self.model, self.optimizer)
+
+    def sharded_checkpoint(self) -> Any:
+        """megatron's ``dist_checkpointing`` as the run's checkpoint format (``trainer.megatron.checkpoint_format``;
+        :mod:`relax_hpc.trainer.megatron.dist_checkpoint`); None without the distributed optimizer."""
+        from relax_hpc.trainer.megatron.dist_checkpoint import sharded_checkpoint
+
+        return sharded_checkpoint(self)
 
     def _need_dist_opt(self, what: str) -> None:
         if not self.dist_opt:

@@ -252,12 +252,17 @@ def save_dist_checkpoint(path: Path | str, ddp: Any, optimizer: Any) -> None:
 
 
 def load_dist_checkpoint(path: Path | str, ddp: Any, optimizer: Any) -> None:
-    """What :func:`save_dist_checkpoint` wrote, at this rank's data-parallel size (every rank calls)."""
+    """What :func:`save_dist_checkpoint` wrote, at this rank's data-parallel size (every rank calls). The
+    checkpoint's pickles build nothing but plain data (:func:`~relax_hpc.trainer.megatron.dist_checkpoint.
+    restricted_unpickling`)."""
     from megatron.core import dist_checkpointing
+
+    from relax_hpc.trainer.megatron.dist_checkpoint import restricted_unpickling
 
     ensure_state(optimizer)  # before the weights are loaded: it takes one zero-gradient step
     with cuda_type_names(not torch.cuda.is_available()), torch.no_grad():  # float32 main weights view the model's
-        state = dist_checkpointing.load(_sharded(ddp, optimizer, loading=True), str(path))
+        with restricted_unpickling():
+            state = dist_checkpointing.load(_sharded(ddp, optimizer, loading=True), str(path))
         steps = set(_saved_steps(state["optimizer"]))
         ddp.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
