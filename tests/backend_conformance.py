@@ -8,7 +8,8 @@ here, that:
 * one step equals a straightforward reference step (the same GRPO loss on unpacked sequences, written directly;
   AdamW; gradient clipping), for a token-normalised and a sequence-normalised ``loss_agg``, with the step's metrics;
 * stale samples (``stale_policy: flag``) are clipped around the current policy and re-weighted by truncated IS;
-* a checkpoint round trip through real checkpoint files is bitwise (weights, optimizer, and the next step);
+* a checkpoint round trip through real checkpoint files is bitwise (weights, optimizer, and the next step), in the
+  project's format and in the backend's sharded format where it has one;
 * the HF export loads with ``from_pretrained`` and gives the same logits;
 * the full state (and its buckets) come under HF names, and ``copy=True`` is safe past the next step.
 """
@@ -29,7 +30,14 @@ from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.rundir import RunDir
 from relax_hpc.trainer.backend import TrainerBackend
 from relax_hpc.trainer.batch import TrainItem
-from relax_hpc.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from relax_hpc.trainer.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_sharded_checkpoint,
+    read_checkpoint_state,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 
 __all__ = [
     "make_cfg",
@@ -39,6 +47,7 @@ __all__ = [
     "test_checkpoint_round_trip_is_bitwise",
     "test_hf_export_loads_and_gives_same_logits",
     "test_layout_is_consistent",
+    "test_sharded_checkpoint_round_trip_is_bitwise",
     "test_stale_items_are_clipped_around_current_policy_and_is_weighted",
     "test_state_is_hf_named_and_copy_is_private",
     "test_step_equals_reference_step",
@@ -235,6 +244,36 @@ def test_checkpoint_round_trip_is_bitwise(backend_factory: Any, tmp_path: Path) 
     assert ma["train/loss"] == mb["train/loss"]
     sa, sb = a.full_state_dict(), b.full_state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_sharded_checkpoint_round_trip_is_bitwise(backend_factory: Any, tmp_path: Path) -> None:
+    """Where the backend has a sharded format (``sharded_checkpoint``), a checkpoint published in it loads into a
+    fresh backend bit for bit, and both take the same next step."""
+    cfg = make_cfg()
+    a = backend_factory.make(cfg, seed=0)
+    sharded = a.sharded_checkpoint()
+    if sharded is None:
+        pytest.skip("the backend has no sharded checkpoint format")
+    for seed in (1, 11):
+        a.train_step(make_items(8, seed=seed))
+    rd = RunDir.create(tmp_path / "run")
+    save_sharded_checkpoint(rd, a.step, sharded, rank=0, world_size=1, state={"store_position": {}}, keep=2,
+                            timeout_s=60)
+    path = latest_checkpoint(rd)
+    assert path is not None and (path / sharded.name).is_dir()
+    b = backend_factory.make(cfg, seed=7)
+    reader = b.sharded_checkpoint()
+    load_sharded_checkpoint(path, read_checkpoint_state(path), reader)
+    b.step = a.step
+    sa, sb = a.full_state_dict(), b.full_state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    items = make_items(8, seed=2)
+    ma, mb = a.train_step(copy.deepcopy(items)), b.train_step(copy.deepcopy(items))
+    assert ma["train/loss"] == mb["train/loss"] and ma["train/grad_norm"] == mb["train/grad_norm"]
+    sa, sb = a.full_state_dict(), b.full_state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    sharded.close()
+    reader.close()
 
 
 def test_hf_export_loads_and_gives_same_logits(backend_factory: Any, tmp_path: Path) -> None:

@@ -16,7 +16,10 @@ is set) and ``metadata.json``. The distributed optimizer's bucket sizes are mega
 weights_only=False)``. :func:`restricted_unpickling` closes the two unrestricted loads while megatron loads a
 checkpoint: ``.metadata`` goes through an unpickler that only builds torch DCP's own metadata dataclasses and enums,
 torch sizes, dtypes, layouts and memory formats; the sharded objects and ``common.pt`` through
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)`` (megatron-core 0.19 reads ``common.pt`` through its storage-client wrapper, which
+this does not reach: there it is torch's default, ``weights_only=True``). megatron-core 0.19.2 writes the same kinds
+of objects into ``.metadata`` (its source read, not run here); a checkpoint from a megatron-core that pickled its own
+classes there (the placeholder ``MCoreSavePlan`` of old releases) is refused with the class's name.
 """
 
 from __future__ import annotations
