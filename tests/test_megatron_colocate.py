@@ -44,8 +44,21 @@ def _run(tmp_path: Path, backend: str, device: str = "cpu") -> list[dict[str, fl
 @pytest.mark.integration
 @pytest.mark.parametrize("device", ["cpu", ON_THE_GPU])
 def test_demo_colocate_with_megatron_matches_the_torch_backend(tmp_path: Path, device: str) -> None:
+    """On the CPU (float32, the same math) the two backends agree to rounding at every step. On the GPU the kernels
+    differ (megatron's fused QKV and gate/up matmuls, TF32, other attention kernels): the first step's loss,
+    entropy and gradient norm agree within low-precision noise (the H200 gave 4e-4 relative on the loss); later
+    steps train on samples drawn from slightly different weights, so only their rewards are compared (the losses of
+    different samples differ by more than noise: 6 % at one later step on the H200)."""
     meg, ref = _run(tmp_path, "megatron", device), _run(tmp_path, "torch", device)
     assert len(meg) == len(ref) == 4
+    if device == "cuda":
+        a, b = meg[0], ref[0]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=2e-2, abs=2e-3)
+        assert a["train/entropy_loss"] == pytest.approx(b["train/entropy_loss"], rel=1e-2)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=5e-2)
+        for a, b in zip(meg, ref, strict=True):
+            assert a["rollout/reward"] == pytest.approx(b["rollout/reward"], abs=0.1)
+        return
     for a, b in zip(meg, ref, strict=True):
         assert a["rollout/reward"] == pytest.approx(b["rollout/reward"], abs=1e-6)  # the same samples
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
