@@ -46,6 +46,44 @@ def test_the_tp2_recipe_validates_and_renders_a_torchrun_step(tmp_path: Path) ->
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
 
 
+QWEN3_32B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120,
+             "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000,
+             "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+"""Qwen3-32B's config.json (the shape fields the megatron mapping checks)."""
+
+
+def test_the_32b_tp4_pp4_recipe_validates_against_its_config_and_renders_four_torchrun_nodes(tmp_path: Path) -> None:
+    """recipes/qwen3-32b-megatron-tp4-pp4.yaml: `relax-hpc validate` with a local model folder checks TP 4 x PP 4
+    against the model's heads and 64 layers (and refuses a PP that does not divide them, in one line); the sbatch
+    script starts 8 ranks on each of the 4 trainer nodes under torchrun, rollout one task per node."""
+    pytest.importorskip("megatron.core")
+    recipe = REPO / "recipes" / "qwen3-32b-megatron-tp4-pp4.yaml"
+    model = tmp_path / "Qwen3-32B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_32B))
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    hub = "model.tokenizer=Qwen/Qwen3-32B"  # a hub name not in the cache: preflight leaves it to the nodes
+    sets = ["--set", f"model.path={model}", "--set", f"data.path={data}", "--set", hub]
+    cfg = load_recipe(recipe, [s for s in sets if s != "--set"])
+    mc = cfg.trainer.megatron
+    assert (mc.tp, mc.pp, cfg.trainer.num_ranks, mc.checkpoint_format) == (4, 4, 32, "dist")
+    (script,) = render_run(RunDir(tmp_path / "run"), cfg)
+    trainer, rollout = script.text.split("#SBATCH hetjob")
+    assert "#SBATCH --nodes=4\n" in trainer and "#SBATCH --ntasks=4\n" in trainer
+    assert "#SBATCH --nodes=4\n" in rollout and "#SBATCH --ntasks=4\n" in rollout
+    line = next(x for x in script.text.splitlines() if "relax_hpc.launch.torchrun" in x and "exec srun" in x)
+    assert "--nnodes=4" in line and "--nproc-per-node=8" in line and "--ntasks-per-node=1" in line
+    good = cli("validate", str(recipe), *sets)
+    assert good.returncode == 0, good.stderr
+    bad = cli("validate", str(recipe), *sets, "--set", "trainer.megatron.pp=3", "--set", "trainer.num_ranks=24")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "pp=3 does not divide the model's 64 layers" in bad.stderr
+    heads = cli("validate", str(recipe), *sets, "--set", "trainer.megatron.tp=16", "--set", "trainer.num_ranks=128")
+    assert heads.returncode == 2 and "tp=16" in heads.stderr and "Traceback" not in heads.stderr
+
+
 def test_bad_torchrun_layouts_are_one_error(tmp_path: Path) -> None:
     cfg = load_recipe(DEMO, ["trainer.num_ranks=4", "launch.trainer.launcher=torchrun",
                              "launch.trainer.tasks_per_node=2"])
