@@ -315,9 +315,9 @@ def save_sharded_checkpoint(run_dir: RunDir, step: int, sharded: ShardedCheckpoi
         shutil.rmtree(staging, ignore_errors=True)  # a killed attempt's parts of this step
         (staging / sharded.name).mkdir(parents=True, exist_ok=True)
     _barrier(world_size)  # the fresh folder exists before any rank writes
-    part = _part(staging, rank)
+    (staging / sharded.name).mkdir(parents=True, exist_ok=True)  # a lookup on the server (NFS caches a missing one)
     sharded.save(staging / sharded.name)
-    atomic_write_json(part, {"rank": rank, "world_size": world_size, "step": step})
+    atomic_write_json(_part(staging, rank), {"rank": rank, "world_size": world_size, "step": step})
     if rank != 0:
         return None
     assert rng is not None
