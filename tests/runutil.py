@@ -50,3 +50,32 @@ def steps_around_restart(run_dir: Path, proc: str, killed_pid: int) -> tuple[lis
     recs = [r for r in metrics(run_dir, proc) if "rollout/reward" in r["metrics"]]
     return ([r["step"] for r in recs if r.get("pid") == killed_pid],
             [r["step"] for r in recs if r.get("pid") != killed_pid])
+
+
+def torchrun_colocate_preempted(run: Path, sets: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """The demo's run dir with ``sets`` (a dry-run submit: nothing starts), then its colocate role as two ranks
+    under ``relax_hpc.launch.torchrun``; once two steps are logged, a SIGUSR2 (Slurm's time-limit warning), and the
+    launcher must exit 3 (requeue). Returns the finished launcher."""
+    import signal
+    import time
+
+    prep = cli("submit", str(DEMO), "--executor", "local", "--dry-run", "--run-dir", str(run),
+               *[a for s in sets for a in ("--set", s)])
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    p = torchrun_colocate(run, env)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if (run / "logs/events/colocate-0.jsonl").exists() and len(metrics(run, "colocate-0")) >= 2:
+            break
+        time.sleep(0.2)
+    assert p.poll() is None, p.stderr.read()[-3000:] if p.stderr else ""
+    p.send_signal(signal.SIGUSR2)
+    assert p.wait(timeout=300) == 3, p.stderr.read()[-3000:] if p.stderr else ""
+    return p
+
+
+def torchrun_colocate(run: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """The run's colocate role as two ranks under ``relax_hpc.launch.torchrun --standalone`` (stderr piped)."""
+    return subprocess.Popen([sys.executable, "-m", "relax_hpc.launch.torchrun", "--standalone", "--nproc-per-node=2",
+                             "-m", "relax_hpc", "role", "colocate", "--run-dir", str(run)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -22,10 +22,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is an optional extra: pip install -e '.[megatron]'")
 
-from runutil import DEMO, REPO, cli, events, metrics
+from runutil import DEMO, REPO, cli, events, metrics, torchrun_colocate_preempted
 
 from relax_hpc.config.load import load_recipe
 from relax_hpc.errors import ConfigError, UserError
@@ -209,12 +207,6 @@ def test_dist_without_the_distributed_optimizer_is_one_error_line() -> None:
     assert auto.trainer.megatron.checkpoint_format == "auto"  # full without the distributed optimizer
 
 
-def _torchrun(run: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "relax_hpc.launch.torchrun", "--standalone", "--nproc-per-node=2",
-                             "-m", "relax_hpc", "role", "colocate", "--run-dir", str(run)], cwd=REPO, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
 @pytest.mark.integration
 def test_colocate_at_dp2_checkpoints_in_dist_on_sigusr2_and_resumes_at_dp1(tmp_path: Path) -> None:
     """The run loop through the CLI: two colocate ranks (TP=1 x DP=2) under torchrun write dist checkpoints; a
@@ -223,18 +215,7 @@ def test_colocate_at_dp2_checkpoints_in_dist_on_sigusr2_and_resumes_at_dp1(tmp_p
     sets = ["num_steps=5", "warmup.steps=0", "trainer.backend=megatron", "trainer.num_ranks=2",
             "trainer.checkpoint_every=2", "launch.trainer.launcher=torchrun", "launch.trainer.tasks_per_node=2",
             "rollout.prompts_per_step=4", "rollout.n_samples=4"]
-    prep = cli("submit", str(DEMO), "--executor", "local", "--dry-run", "--run-dir", str(run),
-               *[a for s in sets for a in ("--set", s)])  # writes the run dir, starts nothing
-    assert prep.returncode == 0, prep.stderr[-2000:]
-    p = _torchrun(run)
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:
-        if (run / "logs/events/colocate-0.jsonl").exists() and len(metrics(run, "colocate-0")) >= 2:
-            break
-        time.sleep(0.2)
-    assert p.poll() is None, p.stderr.read()[-3000:] if p.stderr else ""
-    p.send_signal(signal.SIGUSR2)
-    assert p.wait(timeout=300) == 3, p.stderr.read()[-3000:] if p.stderr else ""
+    torchrun_colocate_preempted(run, sets, _env())
     latest = latest_checkpoint(RunDir(run))
     assert latest is not None and 2 <= int(latest.name.split("_")[-1]) < 5
     _dist_layout(latest, world_size=2)

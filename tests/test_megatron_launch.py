@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from runutil import DEMO, REPO, cli, events, metrics
+from runutil import DEMO, REPO, cli, events, metrics, torchrun_colocate, torchrun_colocate_preempted
 
 from relax_hpc.config.load import load_recipe
 from relax_hpc.errors import ConfigError, UserError
@@ -107,11 +104,8 @@ def test_rank_and_exit_status_under_torchrun(monkeypatch: pytest.MonkeyPatch) ->
     assert launcher_args(["--nnodes=1", "x.py"])[0].endswith("SIGUSR2") and launcher_args(["a"])[-1] == "a"
 
 
-def _torchrun(run: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen([sys.executable, "-m", "relax_hpc.launch.torchrun", "--standalone", "--nproc-per-node=2",
-                             "-m", "relax_hpc", "role", "colocate", "--run-dir", str(run)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 @pytest.mark.integration
@@ -120,18 +114,7 @@ def test_torchrun_tp2_colocate_checkpoints_on_sigusr2_and_resumes(tmp_path: Path
     run = tmp_path / "run"
     sets = ["num_steps=6", "warmup.steps=2", "trainer.backend=megatron", "trainer.num_ranks=2", "trainer.megatron.tp=2",
             "launch.trainer.launcher=torchrun", "launch.trainer.tasks_per_node=2", "rollout.prompts_per_step=8"]
-    prep = cli("submit", str(DEMO), "--executor", "local", "--dry-run", "--run-dir", str(run),
-               *[a for s in sets for a in ("--set", s)])  # writes the run dir, starts nothing
-    assert prep.returncode == 0, prep.stderr[-2000:]
-    p = _torchrun(run)
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:
-        if (run / "logs/events/colocate-0.jsonl").exists() and len(metrics(run, "colocate-0")) >= 2:
-            break
-        time.sleep(0.2)
-    assert p.poll() is None, p.stderr.read()[-3000:] if p.stderr else ""
-    p.send_signal(signal.SIGUSR2)
-    assert p.wait(timeout=300) == 3, p.stderr.read()[-3000:] if p.stderr else ""
+    torchrun_colocate_preempted(run, sets, _env())
     from relax_hpc.trainer.checkpoint import latest_checkpoint
 
     latest = latest_checkpoint(RunDir(run))
@@ -139,7 +122,7 @@ def test_torchrun_tp2_colocate_checkpoints_on_sigusr2_and_resumes(tmp_path: Path
     stopped = int(latest.name.split("_")[-1])
     assert 2 <= stopped < 6
     assert any(e.get("event") == "preempted" for e in events(run, "colocate-0"))
-    p = _torchrun(run)
+    p = torchrun_colocate(run, _env())
     assert p.wait(timeout=400) == 0, p.stderr.read()[-3000:] if p.stderr else ""
     status = json.loads((run / "STATUS.json").read_text())
     assert (status["state"], status["steps"]) == ("completed", 6)
