@@ -9,7 +9,8 @@ RL. The episode reward starts near 0.1-0.2 with few calls (about 1 turn in 12 is
 in every episode (tool calls per turn 0.5: a call turn and an answer turn). Seeds 0-2 of both modes: docs/benchmarks.md.
 
 A run is not bit-reproducible (tool calls run on threads and episodes finish in timing order, which changes how the
-engine batches requests), so a run is a sample of the method: the bounds leave room for that.
+engine batches requests), so a run is a sample of the method: the bounds leave room for that. 150 steps: one CI run
+on a loaded machine had reached 0.68 (of the 0.7 asked) at step 100, where runs here reach 0.92-0.94.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 from runutil import REPO, cli, metrics
 
 RECIPE = REPO / "recipes" / "tiny-digit-lookup-tool.yaml"
-STEPS = 100
+STEPS = 150
 
 
 def _trajectory(run: Path, proc: str) -> tuple[list[float], list[float]]:

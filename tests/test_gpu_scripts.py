@@ -61,19 +61,27 @@ def test_x2_dry_run_prints_the_figures(tmp_path):
     assert "files_run" in raw["handover"] and raw["params"] > 0
 
 
-@pytest.mark.parametrize("name", ["meg6.sh", pytest.param("meg5.sh", marks=[pytest.mark.integration,
-                                                                               pytest.mark.slow])])
+SLOW = [pytest.mark.integration, pytest.mark.slow]
+MEGATRON_GPU_TESTS = {"meg6.sh": 5, "meg5.sh": 5, "meg8.sh": 6}
+"""How many gpu tests each script names (test_megatron_gpu.py's four, the shared-GPU TP case; meg8 the GPU colocate
+demo too)."""
+
+
+@pytest.mark.parametrize("name", ["meg6.sh", pytest.param("meg5.sh", marks=SLOW), pytest.param("meg8.sh", marks=SLOW)])
 def test_megatron_gpu_scripts_dry_run(tmp_path, name):
-    """tools/gpu/meg5.sh / meg6.sh (issue 16) with DRY_RUN=1: the gpu tests they name are collected (three: the
-    node ids are not stale), and meg5's bench trainer commands run at a tiny shape and give their JSON."""
+    """tools/gpu/meg5.sh / meg6.sh / meg8.sh (issue 16) with DRY_RUN=1: the gpu tests they name are collected (the
+    node ids are not stale), and their bench trainer commands run at a tiny shape and give their JSON."""
+    import re
+
     pytest.importorskip("megatron.core", reason="megatron-core is an optional extra")
     out = tmp_path / "out"
     r = _script(name, out=out, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     collected = (out / "gpu-tests.txt").read_text()
-    assert "3 tests collected" in collected and "test_distributed_optimizer_in_bfloat16" in collected, collected
-    assert "tied-cuda-shared" in collected
-    if name == "meg5.sh":
+    count = re.search(r"(\d+) tests? collected", collected)
+    assert count and int(count.group(1)) == MEGATRON_GPU_TESTS[name], collected
+    assert "test_distributed_optimizer_in_bfloat16" in collected and "tied-cuda-shared" in collected, collected
+    if name in ("meg5.sh", "meg8.sh"):
         for part in ("trainer06b", "trainer4b"):
             fig = json.loads((out / f"{part}.json").read_text())
             assert fig, part
