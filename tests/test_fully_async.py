@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from runutil import DEMO, REPO, cli, metrics, rewards, steps_around_restart
 
+from relax_hpc.rundir import RunDir
+from relax_hpc.trainer.checkpoint import latest_checkpoint
+
 ASYNC = ["--set", "mode=fully_async", "--set", "rollout.prompts_per_step=8", "--set", "rollout.batch_prompts=4"]
 
 
@@ -113,7 +116,9 @@ def test_trainer_sigkill_restart_resumes_without_double_consumption(tmp_path: Pa
     assert not (run / "STATUS.json").exists(), "the run ended before the kill"
     os.kill(pids["trainer-0"], signal.SIGKILL)
     _wait_exit(pids["trainer-0"])
-    ckpt = int((run / "checkpoints" / "LATEST").read_text())
+    newest = latest_checkpoint(RunDir(run))  # the truth; LATEST lags it when the kill fell between the two moves
+    assert newest is not None
+    ckpt = int(newest.name.removeprefix("step_"))
     assert ckpt >= 4
     trainer = _role(run, "trainer", 0)
     assert trainer.wait(timeout=600) == 0
@@ -158,5 +163,7 @@ def test_trainer_stops_on_sigterm_while_waiting_for_samples(tmp_path: Path) -> N
             if Path(f"/proc/{pid}").exists():
                 os.kill(pid, signal.SIGKILL)
     assert step < 400
-    ckpt = int((run / "checkpoints" / "LATEST").read_text())
+    newest = latest_checkpoint(RunDir(run))  # the truth; LATEST lags it when the kill fell between the two moves
+    assert newest is not None
+    ckpt = int(newest.name.removeprefix("step_"))
     assert ckpt == len(rewards(run, "trainer-0")) >= step  # the steps it finished, checkpointed on the signal

@@ -75,6 +75,10 @@ def start_trainer_role(run_dir: RunDir, cfg: RecipeConfig, role: str, *, rank: i
     plan_seq = -1
     if state is not None:
         consumer.resume(state["store_position"])
+        # The checkpoint is durable, so its position is committed: a kill between a save and its commit left
+        # position.json one checkpoint behind, and a run resumed at its last step saves no further checkpoint.
+        if state["store_position"]:
+            consumer.commit(state["store_position"])
         plan_seq = int(state["store_position"].get("step", -1))
     elif cfg.warmup.steps:
         m = trainer.sft_warmup(warmup_stream(cfg, policy.tokenizer), policy.tokenizer, steps=cfg.warmup.steps,
