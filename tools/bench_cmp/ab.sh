@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Summarise: python3 tools/bench_cmp/summ.py /tmp/ab/MODE-*
+# Summarise: python3 tools/bench_cmp/summ.py /tmp/ab/MODE-* (per run), python3 tools/bench_cmp/pairs.py /tmp/ab/MODE 12
+# (paired differences; /tmp/ab/MODE-TAG with TAG)
 # A/B: base (cb7e445, before the seams) vs new (main), fully_async and colocate demo, alternating.
-# usage: bash tools/bench_cmp/ab.sh MODE REPS STEPS   (START=k resumes at rep k)
+# usage: bash tools/bench_cmp/ab.sh MODE REPS STEPS   (START=k resumes at rep k; TAG=x names the run dirs
+#   MODE-x-SIDE-REP; EXTRA="--set k=v ..." adds settings, e.g. rollout.sampling.temperature=0: greedy decoding
+#   gives both trees the same samples at every step, so the same work)
 set -u
 MODE=${1:-fully_async}; REPS=${2:-3}; STEPS=${3:-400}
 OUTD=/tmp/ab; mkdir -p $OUTD
@@ -9,10 +12,10 @@ OUTD=/tmp/ab; mkdir -p $OUTD
 for r in $(seq ${START:-1} $REPS); do
   for side in base new; do
     src=$(cd "$(dirname "$0")/../.." && pwd); [ $side = base ] && src=/tmp/base
-    rd=$OUTD/$MODE-$side-$r; rm -rf $rd
+    rd=$OUTD/$MODE${TAG:+-$TAG}-$side-$r; rm -rf $rd
     t0=$(date +%s.%N)
     (cd $src && PYTHONPATH=$src python3 -m relax_hpc submit recipes/demo.yaml --executor local --set mode=$MODE \
-       --set num_steps=$STEPS --run-dir $rd >$rd.out 2>&1)
+       --set num_steps=$STEPS ${EXTRA:-} --run-dir $rd >$rd.out 2>&1)
     t1=$(date +%s.%N)
     echo "$MODE $side $r rc=$? wall=$(python3 -c "print(round($t1-$t0,1))") load=$(cut -d' ' -f1 /proc/loadavg)"
   done

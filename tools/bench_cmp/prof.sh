@@ -5,7 +5,7 @@ set -e
 side=$1; src=$(cd "$(dirname "$0")/../.." && pwd); [ $side = base ] && src=/tmp/base
 rd=/tmp/ab/prof-$side; rm -rf $rd
 cd $src
-PYTHONPATH=$src python3 -m relax_hpc submit recipes/demo.yaml --executor local --set mode=colocate --set num_steps=200 --run-dir $rd --dry-run >/dev/null
+PYTHONPATH=$src python3 -m relax_hpc submit recipes/demo.yaml --executor local --set mode=colocate --set num_steps=200 ${EXTRA:-} --run-dir $rd --dry-run >/dev/null
 mod=relax_hpc.roles.entry; [ $side = base ] && mod=relax_hpc.roles
 PYTHONPATH=$src python3 -c "
 import cProfile, pstats, sys
