@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -158,6 +158,34 @@ async def started(engine: RolloutEngine, request: GenerateRequest, wait_s: float
     return task
 
 
+CUT_TRIES = 3
+"""How often :func:`cut_in_flight` sends a fresh request when the interrupt arrived after the request had already
+run to its budget (the server's load changed between the calibration and the test)."""
+
+
+async def cut_in_flight(engine: RolloutEngine, request: GenerateRequest, wait_s: float,
+                        cut: Callable[[str], Awaitable[Any]],
+                        undo: Callable[[], Awaitable[Any]] | None = None) -> GenerateResult:
+    """``request`` interrupted by ``cut(request_id)`` after ``wait_s``. An interrupt that lands after every sample
+    ran to ``max_new_tokens`` did not happen mid-generation: ``undo()`` (a pause's resume) and the request is sent
+    again under a fresh id, at most ``CUT_TRIES`` times; the test fails if no interrupt ever lands. Returns the
+    interrupted result."""
+    from dataclasses import replace
+
+    budget = request.sampling.max_new_tokens
+    for attempt in range(CUT_TRIES):
+        sent = replace(request, request_id=f"{request.request_id}#{attempt}" if attempt else request.request_id)
+        task = await started(engine, sent, wait_s)
+        await cut(sent.request_id)
+        out: GenerateResult = await asyncio.wait_for(task, 60)
+        if any(s.finish_reason != "length" or len(s.token_ids) < budget for s in out.samples):
+            return out
+        if undo is not None:
+            await undo()
+    raise AssertionError(f"{CUT_TRIES} requests of {budget} tokens all finished before the interrupt reached them: "
+                         "raise max_new_tokens or the model's size")
+
+
 # ---------------------------------------------------------------------------------------------- the tests
 def test_n_samples_per_prompt(harness: Harness) -> None:
     h = harness
@@ -236,14 +264,20 @@ def test_abort_mid_generation_returns_partial_tokens_with_versions(harness: Harn
     sampling = SamplingParams(n=2, temperature=0.9, max_new_tokens=budget)
 
     async def go() -> tuple[GenerateResult, GenerateResult, GenerateResult]:
-        task = await started(h.engine, GenerateRequest("long", p, sampling), h.interrupt_s)
-        other = asyncio.ensure_future(h.engine.generate(GenerateRequest("other", p, replace_n(sampling, 1, 4))))
-        await h.engine.abort(["long"])
-        aborted = await asyncio.wait_for(task, 30)
+        others: list[asyncio.Future[GenerateResult]] = []
+
+        async def cut(rid: str) -> None:  # a short request beside the long one: abort must end only the named one
+            others.append(asyncio.ensure_future(h.engine.generate(GenerateRequest(f"other/{rid}", p,
+                                                                                  replace_n(sampling, 1, 4)))))
+            await h.engine.abort([rid])
+
+        aborted = await cut_in_flight(h.engine, GenerateRequest("long", p, sampling), h.interrupt_s, cut)
+        other = others[-1]
         # continued as prefixes, with a budget 20 tokens past the longer one (the prefix counts against it)
         more = max(len(s.token_ids) for s in aborted.samples) + 20
         rest = await h.engine.generate(GenerateRequest("long/2", p, replace_n(sampling, 2, more), prefixes=[
             _prefix(s) for s in aborted.samples]))
+        await asyncio.gather(*others)
         return aborted, rest, await other
 
     aborted, rest, other = run(go())
@@ -303,9 +337,11 @@ def test_pause_abort_and_requests_submitted_while_paused(harness: Harness) -> No
     p = prompts(h.vocab)[2]
 
     async def go() -> tuple[GenerateResult, asyncio.Task[Any], bool]:
-        task = await started(h.engine, GenerateRequest("a", p, SamplingParams(n=2, max_new_tokens=1500)), h.interrupt_s)
-        await h.engine.pause(abort=True)
-        aborted = await asyncio.wait_for(task, 30)
+        async def cut(_: str) -> None:
+            await h.engine.pause(abort=True)
+
+        aborted = await cut_in_flight(h.engine, GenerateRequest("a", p, SamplingParams(n=2, max_new_tokens=1500)),
+                                      h.interrupt_s, cut, undo=h.engine.resume)
         later = asyncio.ensure_future(h.engine.generate(GenerateRequest("b", p, SamplingParams(max_new_tokens=4))))
         await asyncio.sleep(0.3)
         waited = not later.done()

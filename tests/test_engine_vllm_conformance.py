@@ -181,7 +181,7 @@ def test_abort_mid_generation_returns_partial_tokens_with_versions(harness: Harn
     request ends early with ``abort``, the other request is untouched, and the aborted samples continue as prefixes
     with only new tokens counted against the budget; any tokens that do come back carry the version and the
     trainer's log-probs. Weight updates (partial rollout) go through the pause, not this path."""
-    from engine_conformance import _prefix, replace_n, started
+    from engine_conformance import _prefix, cut_in_flight, replace_n
 
     h = harness
     p = prompts(h.vocab)[1]
@@ -189,13 +189,19 @@ def test_abort_mid_generation_returns_partial_tokens_with_versions(harness: Harn
     sampling = SamplingParams(n=2, temperature=0.9, max_new_tokens=budget)
 
     async def go() -> tuple[Any, Any, Any]:
-        task = await started(h.engine, GenerateRequest("long", p, sampling), h.interrupt_s)
-        other = asyncio.ensure_future(h.engine.generate(GenerateRequest("other", p, replace_n(sampling, 1, 4))))
-        await h.engine.abort(["long"])
-        aborted = await asyncio.wait_for(task, 30)
+        others: list[asyncio.Future[Any]] = []
+
+        async def cut(rid: str) -> None:  # a short request beside the long one: abort must end only the named one
+            others.append(asyncio.ensure_future(h.engine.generate(GenerateRequest(f"other/{rid}", p,
+                                                                                  replace_n(sampling, 1, 4)))))
+            await h.engine.abort([rid])
+
+        aborted = await cut_in_flight(h.engine, GenerateRequest("long", p, sampling), h.interrupt_s, cut)
+        other = others[-1]
         more = max(len(s.token_ids) for s in aborted.samples) + 20
         rest = await h.engine.generate(GenerateRequest("long/2", p, replace_n(sampling, 2, more), prefixes=[
             _prefix(s) for s in aborted.samples]))
+        await asyncio.gather(*others)
         return aborted, rest, await other
 
     aborted, rest, other = asyncio.run(go())
