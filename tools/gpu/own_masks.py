@@ -1,5 +1,5 @@
 """The decode loop (rollout/decode.sample) with its own 4-D masks against the model's mask building, on CUDA:
-the same tokens, and the time of each (tools/gpu/dec1.sh)."""
+the same tokens (float32; bf16 rounds differently), and the time of each (tools/gpu/dec1.sh)."""
 
 from __future__ import annotations
 
@@ -47,4 +47,10 @@ for own in (True, False):
     t = times[own]
     print(f"{'own 4-D masks' if own else 'model masks  '}: min {min(t) * 1e3:.1f} ms, median "
           f"{statistics.median(t) * 1e3:.1f} ms per 256 x 64 tokens")
-print("same tokens (greedy):", same)
+print("same tokens (greedy, bf16):", same)
+a, b = run(True)[1], run(False)[1]
+agree = (a == b).cumprod(dim=1).sum(dim=1).float()
+print(f"bf16: rows equal throughout {(agree == a.shape[1]).sum().item()}/{a.shape[0]}, tokens before the first "
+      f"difference: median {agree.median().item():.0f}, min {agree.min().item():.0f}")
+model.float()
+print("same tokens (greedy, float32):", torch.equal(run(True)[1], run(False)[1]))
