@@ -65,7 +65,7 @@ class TorchBackend(TrainerBackend):
         t = cfg.trainer
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=t.lr,
                                            betas=tuple(t.betas), weight_decay=t.weight_decay,
-                                           foreach=device != "cpu")
+                                           foreach=True)  # on the CPU too: the same values as the per-tensor loop
         self.ref_model = ref_model
         self.teacher = teacher
         temp = cfg.rollout.sampling.temperature
