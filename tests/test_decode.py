@@ -122,15 +122,15 @@ def test_own_masks_give_the_models_own_masking_bit_for_bit(model: torch.nn.Modul
     the 2-D mask, for greedy and sampled decoding."""
     import relax_hpc.rollout.decode as decode
 
-    assert decode._own_masks(model), "the suite's Qwen3 model runs SDPA over full attention: the loop's own masks"
+    assert decode.own_masks(model), "the suite's Qwen3 model runs SDPA over full attention: the loop's own masks"
     ids, attn = left_pad(prompts())
     assert not bool(attn.all()), "the prompts must be left-padded"
-    mask = decode.prompt_mask(attn)
+    mask = decode.prompt_mask(attn)  # models/masks.py
     assert mask.shape == (5, 1, ids.shape[1], ids.shape[1]) and bool(mask.any(-1).all())
     for temperature in (0.0, 1.0):
         runs = []
         for own in (True, False):
-            monkeypatch.setattr(decode, "_own_masks", lambda m, own=own: own)
+            monkeypatch.setattr(decode, "own_masks", lambda m, own=own: own)
             g = torch.Generator().manual_seed(5)
             runs.append(sample(model, ids, attn, n=3, max_new_tokens=12, temperature=temperature, top_k=0,
                                top_p=1.0, eos_id=EOS, pad_id=PAD, generator=g))
@@ -142,15 +142,15 @@ def test_own_masks_give_the_models_own_masking_bit_for_bit(model: torch.nn.Modul
 def test_own_masks_only_for_sdpa_over_full_attention() -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from relax_hpc.rollout.decode import _own_masks
+    from relax_hpc.models.masks import own_masks
 
     base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=8, intermediate_size=64, max_position_embeddings=64)
-    assert _own_masks(Qwen3ForCausalLM(Qwen3Config(**base, attn_implementation="sdpa")))
-    assert not _own_masks(Qwen3ForCausalLM(Qwen3Config(**base, attn_implementation="eager")))
+    assert own_masks(Qwen3ForCausalLM(Qwen3Config(**base, attn_implementation="sdpa")))
+    assert not own_masks(Qwen3ForCausalLM(Qwen3Config(**base, attn_implementation="eager")))
     windowed = Qwen3ForCausalLM(Qwen3Config(**base, use_sliding_window=True, sliding_window=4, max_window_layers=1,
                                             attn_implementation="sdpa"))
-    assert not _own_masks(windowed), "a sliding window needs the model's own per-layer masks"
+    assert not own_masks(windowed), "a sliding window needs the model's own per-layer masks"
 
 def test_sample_pads_finished_rows_and_stops_when_all_are_done(model: torch.nn.Module) -> None:
     ids, attn = left_pad(prompts())

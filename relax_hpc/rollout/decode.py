@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
+from relax_hpc.models.masks import own_masks, prompt_mask
+
 
 class DecodeControl(Protocol):
     """How an engine steers a running batch: called every ``every`` tokens, between a token and the next forward."""
@@ -59,27 +61,6 @@ def _last_logits_kwarg(model: Any) -> dict[str, int]:
         if name in params:
             return {name: 1}
     return {}
-
-
-def _own_masks(model: Any) -> bool:
-    """True when the loop may hand the model ready 4-D boolean masks (``[rows, 1, queries, keys]``, True = attend),
-    which transformers passes to SDPA as they are: every layer attends causally over the whole context (no sliding
-    window) and the model runs SDPA. The model's own mask building from a 2-D mask costs more than the tiny demo
-    model's layers at every decode step (``relax-hpc bench generate``)."""
-    cfg = model.config
-    if getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "sliding_window", None) is not None:
-        return False
-    return all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or ()))
-
-
-def prompt_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The prefill's 4-D mask of left-padded prompts: causal within the row, padding never attended; a padding
-    query attends to itself only (a query with nothing to attend to would give SDPA a row of NaNs, which would reach
-    the real tokens' keys and values in the next layer)."""
-    width = attention_mask.shape[-1]
-    causal = torch.ones((width, width), dtype=torch.bool, device=attention_mask.device).tril()
-    own = torch.eye(width, dtype=torch.bool, device=attention_mask.device)
-    return ((causal[None] & attention_mask.bool()[:, None, :]) | own[None])[:, None]
 
 
 def _new_cache(model: Any) -> Any:
@@ -126,8 +107,8 @@ def sample(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
     # the prompt is read once (its KV cache and last logits are then repeated for the n samples): a prompt as long
     # as the responses costs as much to read as all n responses to generate
     positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-    own_masks = _own_masks(model)
-    out = model(input_ids=input_ids, attention_mask=prompt_mask(attention_mask) if own_masks else attention_mask,
+    ready = own_masks(model)  # 4-D masks made here, not by the model at every step (models/masks.py)
+    out = model(input_ids=input_ids, attention_mask=prompt_mask(attention_mask) if ready else attention_mask,
                 position_ids=positions, use_cache=True, **_last_logits_kwarg(model), **cache_arg)
     logits = out.logits[:, -1, :].float()
     if n > 1:
@@ -135,7 +116,7 @@ def sample(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
         logits = logits.repeat_interleave(n, dim=0)
     attn = torch.ones((rows, width + max_new_tokens), dtype=attention_mask.dtype, device=dev)
     attn[:, :width] = attention_mask.repeat_interleave(n, dim=0)
-    step_mask = attn.bool()[:, None, None, :] if own_masks else attn  # a decode step's query: [rows, 1, 1, keys]
+    step_mask = attn.bool()[:, None, None, :] if ready else attn  # a decode step's query: [rows, 1, 1, keys]
     pos = positions[:, -1:].repeat_interleave(n, dim=0)
     tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=dev)
     logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=dev)

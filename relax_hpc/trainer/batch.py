@@ -247,6 +247,7 @@ def response_logits(model: Any, mb: MicroBatch) -> Any:
     dummy = kwargs.pop("_encoder_dummy", None)
     input_ids = kwargs.pop("_input_ids", mb.input_ids)
     # -- omni-modal (end)
+    kwargs = _with_packed_mask(model, position_ids, kwargs)
     if mb.input_ids.shape[0] == 1:  # one row: compute logits only where needed
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                     logits_to_keep=mb.logit_index, **kwargs)
@@ -257,3 +258,17 @@ def response_logits(model: Any, mb: MicroBatch) -> Any:
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         logits = out.logits.flatten(0, 1)[mb.logit_index]
     return logits if dummy is None else logits + dummy.to(logits.dtype)  # omni-modal: every encoder runs
+
+
+def _with_packed_mask(model: Any, position_ids: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the rows' block-diagonal mask made here (``models/masks.py``) for a plain text SDPA model on
+    the CPU, where the model's own mask building is a measurable part of a small model's step; elsewhere (GPUs,
+    3-D positions, other attention kernels) the model builds it from the position ids."""
+    from relax_hpc.models.masks import own_masks, packed_mask
+
+    if "attention_mask" in kwargs or position_ids.dim() != 2 or position_ids.device.type != "cpu":
+        return kwargs
+    if not own_masks(model):
+        return kwargs
+    mask = packed_mask(position_ids)
+    return kwargs if mask is None else {**kwargs, "attention_mask": mask}
