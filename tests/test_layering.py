@@ -112,3 +112,15 @@ def test_the_walk_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
         "relax_hpc/store/probe.py imports relax_hpc.modes (store must not import modes)",
         "relax_hpc/store/probe.py imports relax_hpc.monitor (store must not import monitor)",
     ], found
+
+
+def test_no_function_in_modes_is_over_60_statements() -> None:
+    """The mode loops stay short enough to read at a glance: every function (nested statements counted) in
+    ``relax_hpc/modes`` has at most 60 statements."""
+    sizes = {}
+    for path in sorted((PKG / "modes").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                sizes[f"{path.name}:{node.name}"] = sum(isinstance(x, ast.stmt) for x in ast.walk(node)) - 1
+    assert len(sizes) > 50, "the walk must see the modes' functions"
+    assert max(sizes.values()) <= 60, {k: v for k, v in sizes.items() if v > 60}

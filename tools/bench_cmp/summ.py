@@ -21,7 +21,7 @@ def records(run_dir: Path) -> list[dict[str, float]]:
             except ValueError:
                 continue
             if r.get("kind") == "metrics" and r.get("rank", 0) == 0:
-                out.append(r["metrics"])
+                out.append({**r["metrics"], "_time": r["time"]})
     return out
 
 
