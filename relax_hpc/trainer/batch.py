@@ -6,8 +6,7 @@ with position ids that restart at every sequence; HF models build a block-diagon
 (no attention across sequences; SDPA models on the CPU get it ready-made, ``models/masks.py``). The tail of a row
 that no sequence fills is padding (its own position run, never read); the row width is chosen per micro-batch by a
 cost model of padding against attention (``padding_fraction`` is reported). One row (``R = 1``) has no padding at all
-but attention over the whole row; several short rows cost far
-less attention on CPUs and small models.
+but attention over the whole row; several short rows cost far less attention on CPUs and small models.
 
 Shapes (one micro-batch, S sequences, R rows of W tokens, T response tokens):
     input_ids, position_ids  [R, W]
