@@ -263,24 +263,7 @@ def test_abort_mid_generation_returns_partial_tokens_with_versions(harness: Harn
     budget = 1500
     sampling = SamplingParams(n=2, temperature=0.9, max_new_tokens=budget)
 
-    async def go() -> tuple[GenerateResult, GenerateResult, GenerateResult]:
-        others: list[asyncio.Future[GenerateResult]] = []
-
-        async def cut(rid: str) -> None:  # a short request beside the long one: abort must end only the named one
-            others.append(asyncio.ensure_future(h.engine.generate(GenerateRequest(f"other/{rid}", p,
-                                                                                  replace_n(sampling, 1, 4)))))
-            await h.engine.abort([rid])
-
-        aborted = await cut_in_flight(h.engine, GenerateRequest("long", p, sampling), h.interrupt_s, cut)
-        other = others[-1]
-        # continued as prefixes, with a budget 20 tokens past the longer one (the prefix counts against it)
-        more = max(len(s.token_ids) for s in aborted.samples) + 20
-        rest = await h.engine.generate(GenerateRequest("long/2", p, replace_n(sampling, 2, more), prefixes=[
-            _prefix(s) for s in aborted.samples]))
-        await asyncio.gather(*others)
-        return aborted, rest, await other
-
-    aborted, rest, other = run(go())
+    aborted, rest, other = run(abort_and_continue(h, p, sampling))
     assert other.samples[0].finish_reason == "length", "abort must end only the named request"
     for a, r in zip(aborted.samples, rest.samples):
         assert a.finish_reason == "abort" and 0 < len(a.token_ids) < budget
@@ -292,6 +275,25 @@ def test_abort_mid_generation_returns_partial_tokens_with_versions(harness: Harn
         joined = np.concatenate([a.token_ids, r.token_ids])
         check_logprobs(h.model, p, joined, np.concatenate([a.logprobs, r.logprobs]), 0.9)
 
+
+async def abort_and_continue(h: Harness, p: list[int], sampling: SamplingParams
+                             ) -> tuple[GenerateResult, GenerateResult, GenerateResult]:
+    """A request ``long`` aborted by id mid-generation (:func:`cut_in_flight`) while a short request runs beside it,
+    then its samples continued as prefixes with a budget 20 tokens past the longer one (the prefix counts against
+    it). Returns (the aborted result, the continuation, the short request's result)."""
+    others: list[asyncio.Future[GenerateResult]] = []
+
+    async def cut(rid: str) -> None:  # abort must end only the named request
+        others.append(asyncio.ensure_future(h.engine.generate(GenerateRequest(f"other/{rid}", p,
+                                                                              replace_n(sampling, 1, 4)))))
+        await h.engine.abort([rid])
+
+    aborted = await cut_in_flight(h.engine, GenerateRequest("long", p, sampling), h.interrupt_s, cut)
+    more = max(len(s.token_ids) for s in aborted.samples) + 20
+    rest = await h.engine.generate(GenerateRequest("long/2", p, replace_n(sampling, 2, more), prefixes=[
+        _prefix(s) for s in aborted.samples]))
+    await asyncio.gather(*others)
+    return aborted, rest, others[-1].result()
 
 def replace_n(s: SamplingParams, n: int, max_new_tokens: int) -> SamplingParams:
     from dataclasses import replace

@@ -23,7 +23,6 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -181,30 +180,14 @@ def test_abort_mid_generation_returns_partial_tokens_with_versions(harness: Harn
     request ends early with ``abort``, the other request is untouched, and the aborted samples continue as prefixes
     with only new tokens counted against the budget; any tokens that do come back carry the version and the
     trainer's log-probs. Weight updates (partial rollout) go through the pause, not this path."""
-    from engine_conformance import _prefix, cut_in_flight, replace_n
+    from engine_conformance import abort_and_continue
 
     h = harness
     p = prompts(h.vocab)[1]
     budget = 1500
     sampling = SamplingParams(n=2, temperature=0.9, max_new_tokens=budget)
 
-    async def go() -> tuple[Any, Any, Any]:
-        others: list[asyncio.Future[Any]] = []
-
-        async def cut(rid: str) -> None:  # a short request beside the long one: abort must end only the named one
-            others.append(asyncio.ensure_future(h.engine.generate(GenerateRequest(f"other/{rid}", p,
-                                                                                  replace_n(sampling, 1, 4)))))
-            await h.engine.abort([rid])
-
-        aborted = await cut_in_flight(h.engine, GenerateRequest("long", p, sampling), h.interrupt_s, cut)
-        other = others[-1]
-        more = max(len(s.token_ids) for s in aborted.samples) + 20
-        rest = await h.engine.generate(GenerateRequest("long/2", p, replace_n(sampling, 2, more), prefixes=[
-            _prefix(s) for s in aborted.samples]))
-        await asyncio.gather(*others)
-        return aborted, rest, await other
-
-    aborted, rest, other = asyncio.run(go())
+    aborted, rest, other = asyncio.run(abort_and_continue(h, p, sampling))
     assert other.samples[0].finish_reason == "length", "abort must end only the named request"
     more = max(len(s.token_ids) for s in aborted.samples) + 20
     for a, r in zip(aborted.samples, rest.samples):

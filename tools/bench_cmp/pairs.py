@@ -2,11 +2,13 @@
 
 For each phase, each rep's median over its last three quarters of steps, new minus base: the mean with its standard
 error, and the median; ``interval`` is the wall time from one step's metrics record to the next (the step as the
-run lives it: ``perf/step_time`` leaves out the writing of the step's own record and what follows it). Also checks that both sides did the same work: the sum of rewards and trained tokens of every
-rep (equal on both sides with greedy decoding, ``EXTRA="--set rollout.sampling.temperature=0"``)."""
+run lives it: ``perf/step_time`` leaves out the writing of the step's own record and what follows it). Also checks
+that both sides did the same work: the sum of rewards and trained tokens of every rep (equal on both sides with
+greedy decoding, ``EXTRA="--set rollout.sampling.temperature=0"``)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import sys
@@ -23,7 +25,7 @@ def rep(run_dir: str) -> dict[str, float]:
     tail = recs[len(recs) // 4:]
     out = {k: 1e3 * statistics.median(r[f"perf/{k}_time"] for r in tail if f"perf/{k}_time" in r) for k in KEYS[1:]}
     times = [r["_time"] for r in tail]
-    out["interval"] = 1e3 * statistics.median(b - a for a, b in zip(times, times[1:]))
+    out["interval"] = 1e3 * statistics.median(b - a for a, b in itertools.pairwise(times))
     out["work"] = hash((round(sum(r["rollout/reward"] for r in tail), 4), sum(r["train/tokens"] for r in tail)))
     return out
 
