@@ -23,6 +23,7 @@ from relax_hpc.algorithms.base import (
     TIS_CLIPFRAC,
     TIS_WEIGHT_MEAN,
     LossInputs,
+    concat_inputs,
 )
 from relax_hpc.algorithms.registry import get_algorithm
 from relax_hpc.config.schema import AlgorithmConfig, DistillConfig
@@ -242,6 +243,28 @@ def test_two_micro_batches_sum_to_one_batch(algo: str, mode: str) -> None:
     for key, value in full_m.items():
         assert (a_m[key] + b_m[key]).item() == pytest.approx(value.item(), rel=1e-10, abs=1e-14), key
     torch.testing.assert_close(grads(a + b, lv_split), grads(full, lv_full), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_one_call_over_concatenated_micro_batches_equals_their_sum(algo: str, mode: str) -> None:
+    """The trainer computes a step's metrics with one loss call over ``concat_inputs`` of its micro-batches."""
+    cfg = make_cfg(algo, mode)
+    lv = leaves()
+    algorithm = get_algorithm(algo)
+    parts = [make_inputs(lv, seqs) for seqs in ([2, 0], [4], [1, 3])]
+    parts[1].sample_weights = None  # missing weights count as 1
+    joined = concat_inputs(parts)
+    assert joined.num_seqs == 5 and joined.seq_ids.tolist() == [0, 0, 0, 0, 0, 1, 2, 2, 2, 2, 3, 3, 3, 4, 4]
+    total, total_m = algorithm.loss(joined, cfg)
+    losses = [algorithm.loss(x, cfg) for x in parts]
+    assert total.item() == pytest.approx(sum(v.item() for v, _ in losses), rel=1e-12)
+    for key, value in total_m.items():
+        assert value.item() == pytest.approx(sum(m[key].item() for _, m in losses), rel=1e-10, abs=1e-14), key
+    assert concat_inputs(parts[:1]) is parts[0]
+    parts[2].ref_logprobs = None
+    with pytest.raises(ValueError, match="ref_logprobs is set in some micro-batches only"):
+        concat_inputs(parts)
 
 
 def test_gspo_matches_direct_sequence_level_objective() -> None:

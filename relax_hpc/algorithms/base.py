@@ -112,6 +112,36 @@ class LossInputs:
             raise ValueError(f"LossInputs.max_response_tokens must be >= 1, got {self.max_response_tokens}")
 
 
+_PER_TOKEN = ("logprobs", "old_logprobs", "rollout_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs",
+              "teacher_logprobs", "sample_weights")
+
+
+def concat_inputs(xs: list[LossInputs]) -> LossInputs:
+    """The micro-batches ``xs`` (same step, same normalisers) as one: tokens concatenated, sequence ids offset.
+    Every loss term and metric is a sum over tokens or sequences divided by the step's normalisers, so one loss call
+    over the result gives the sum of the calls over ``xs`` (up to float summation order). Missing
+    ``sample_weights`` count as 1; any other optional field must be set in all or none."""
+    if len(xs) == 1:
+        return xs[0]
+    fields: dict[str, Tensor | None] = {}
+    for name in _PER_TOKEN:
+        vals = [getattr(x, name) for x in xs]
+        if name == "sample_weights" and any(v is not None for v in vals):
+            vals = [torch.ones_like(x.logprobs) if v is None else v for x, v in zip(xs, vals, strict=True)]
+        if all(v is None for v in vals):
+            fields[name] = None
+        elif any(v is None for v in vals):
+            raise ValueError(f"concat_inputs: LossInputs.{name} is set in some micro-batches only")
+        else:
+            fields[name] = torch.cat(vals)  # type: ignore[arg-type]
+    offsets = np.cumsum([0] + [x.num_seqs for x in xs[:-1]])
+    seq_ids = torch.cat([x.seq_ids + int(o) for x, o in zip(xs, offsets, strict=True)])
+    first = xs[0]
+    return LossInputs(**fields, seq_ids=seq_ids, num_seqs=sum(x.num_seqs for x in xs),  # type: ignore[arg-type]
+                      global_num_tokens=first.global_num_tokens, global_num_seqs=first.global_num_seqs,
+                      max_response_tokens=first.max_response_tokens)
+
+
 @runtime_checkable
 class Algorithm(Protocol):
     """What the trainer calls. A module of the registry exposes one as ``ALGORITHM``."""

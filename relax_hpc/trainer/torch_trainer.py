@@ -101,7 +101,7 @@ class TorchBackend(TrainerBackend):
         self._n_tok = 0.0
         self._n_seq = 0.0
         self._n_items = 0
-        self._unit_loss = 0.0
+        self._unit_losses: list[Any] = []  # each micro-batch's detached loss, summed once at the end
         self._n_mb = 0
         self._tokens = 0
         self._slots = 0
@@ -134,7 +134,7 @@ class TorchBackend(TrainerBackend):
             with self._compiled():
                 x = self._loss_inputs(mb, olds[k], refs[k] if refs else None, teach[k] if teach else None)
             loss, _ = self.algorithm.loss(x, cfg.algorithm)
-            self._unit_loss += float(loss.detach())
+            self._unit_losses.append(loss.detach())
             self._inputs.append(dataclasses.replace(x, logprobs=x.logprobs.detach(),
                                                     entropy=None if x.entropy is None else x.entropy.detach()))
             return loss
@@ -198,7 +198,7 @@ class TorchBackend(TrainerBackend):
         import torch
 
         t0 = time.perf_counter()
-        n_tok, n_seq, n_items, unit_loss = self._n_tok, self._n_seq, float(self._n_items), self._unit_loss
+        n_tok, n_seq, n_items, unit_loss = self._n_tok, self._n_seq, float(self._n_items), self._unit_loss()
         n = self._all_reduce({"tok": n_tok, "seq": n_seq, "items": n_items, "loss": unit_loss})
         n_tok, n_seq, n_items, unit_loss = n["tok"], n["seq"], n["items"], n["loss"]
         divisor = max(n_tok if self.cfg.algorithm.loss_agg == "token_mean" else n_seq, 1.0)
@@ -237,15 +237,22 @@ class TorchBackend(TrainerBackend):
 
         import torch
 
+        from relax_hpc.algorithms.base import concat_inputs
+
         sums: dict[str, float] = {}
-        with torch.no_grad():
-            for x in self._inputs:
-                loss, m = self.algorithm.loss(dataclasses.replace(x, global_num_tokens=n_tok, global_num_seqs=n_seq),
-                                              self.cfg.algorithm)
-                for name, v in ((_LOSS, loss), *m.items()):
-                    sums[name] = sums.get(name, 0.0) + float(v)
+        if self._inputs:  # one loss call over all micro-batches (metrics are sums), one device sync
+            x = dataclasses.replace(concat_inputs(self._inputs), global_num_tokens=n_tok, global_num_seqs=n_seq)
+            with torch.no_grad():
+                loss, m = self.algorithm.loss(x, self.cfg.algorithm)
+            sums = dict(zip([_LOSS, *m], _floats([loss, *m.values()]), strict=True))
         # every key, also for a step without items (a rank without data, a plan whose groups were all dropped)
         return self._all_reduce(_with_keys(sums, self._metric_keys()))
+
+    def _unit_loss(self) -> float:
+        """The step's loss with normaliser 1: the micro-batches' losses summed (one device sync per step)."""
+        import torch
+
+        return float(torch.stack(self._unit_losses).double().sum()) if self._unit_losses else 0.0
 
     def _all_reduce(self, d: dict[str, float]) -> dict[str, float]:
         """``d`` summed over the data-parallel replicas (every rank one here)."""
@@ -414,6 +421,15 @@ def _check_one_normaliser(algorithm: Any, loss: float, deferred: float) -> None:
         raise ValueError(f"algorithm {getattr(algorithm, 'name', algorithm)!r}: its loss divides terms by more than "
                          f"one normaliser ({loss} with the step's normalisers, {deferred} by deferred scaling); "
                          "every loss term must use common.aggregate with cfg.loss_agg")
+
+
+def _floats(values: list[Any]) -> list[float]:
+    """Scalars (tensors on one device, or numbers) as floats, with one device-to-host copy."""
+    import torch
+
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    host = iter(torch.stack([t.detach().double().reshape(()) for t in tensors]).tolist() if tensors else [])
+    return [next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 def _with_keys(d: dict[str, float], keys: list[str]) -> dict[str, float]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Summarise: python3 tools/bench_cmp/summ.py /tmp/ab/MODE-* (per run), python3 tools/bench_cmp/pairs.py /tmp/ab/MODE 12
 # (paired differences; /tmp/ab/MODE-TAG with TAG)
-# A/B: base (cb7e445, before the seams) vs new (main), fully_async and colocate demo, alternating.
+# A/B: base (cb7e445, before the seams) vs new (main), fully_async and colocate demo, alternating (ABBA order).
 # usage: bash tools/bench_cmp/ab.sh MODE REPS STEPS   (START=k resumes at rep k; TAG=x names the run dirs
 #   MODE-x-SIDE-REP; EXTRA="--set k=v ..." adds settings, e.g. rollout.sampling.temperature=0: greedy decoding
 #   gives both trees the same samples at every step, so the same work)
@@ -10,7 +10,8 @@ MODE=${1:-fully_async}; REPS=${2:-3}; STEPS=${3:-400}
 OUTD=/tmp/ab; mkdir -p $OUTD
 [ -d /tmp/base ] || git -C "$(dirname "$0")/../.." worktree add -f /tmp/base cb7e445 >/dev/null 2>&1
 for r in $(seq ${START:-1} $REPS); do
-  for side in base new; do
+  sides="base new"; [ $((r % 2)) = 0 ] && sides="new base"  # ABBA: a drift over the run favours neither side
+  for side in $sides; do
     src=$(cd "$(dirname "$0")/../.." && pwd); [ $side = base ] && src=/tmp/base
     rd=$OUTD/$MODE${TAG:+-$TAG}-$side-$r; rm -rf $rd
     t0=$(date +%s.%N)

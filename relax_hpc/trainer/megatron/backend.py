@@ -389,7 +389,7 @@ class MegatronBackend(TorchBackend):
         the global norm, step AdamW; the step's metrics (the same on every rank)."""
         t0 = time.perf_counter()
         n = self._all_reduce({"tok": self._n_tok, "seq": self._n_seq, "items": float(self._n_items),
-                              "loss": self._unit_loss})
+                              "loss": self._unit_loss()})
         divisor = max(n["tok"] if self.cfg.algorithm.loss_agg == "token_mean" else n["seq"], 1.0)
         lr = self._lr()
         for g in self.optimizer.param_groups:  # megatron's optimizer: every group of every chained optimizer
