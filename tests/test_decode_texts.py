@@ -55,3 +55,34 @@ def test_tokenizers_without_a_batch_path_decode_one_by_one() -> None:
     assert decode_texts(digits, [ids, ids]) == [want, want] and calls == []  # the batch path
     digits.clean_up_tokenization_spaces = True  # the fast tokenizer's own clean-up must still run: one by one
     assert decode_texts(digits, [ids, ids]) == [want, want] and len(calls) == 2
+
+
+_THREADS = """
+import os, sys
+from relax_hpc.config.schema import ModelConfig
+from relax_hpc.models.load import decode_texts, load_tokenizer
+tok = load_tokenizer(ModelConfig(path="tiny"))
+before = len(os.listdir("/proc/self/task"))
+for _ in range(20):
+    decode_texts(tok, [[3, 4, 5, 6, 7, 8]] * 256)
+print(os.environ["TOKENIZERS_PARALLELISM"], len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.parametrize("setting", [None, "true"])
+def test_roles_tokenizer_starts_no_thread_pool_unless_asked(setting: str | None) -> None:
+    """``load_tokenizer`` turns the tokenizers library's thread pool off (its threads spin beside the trainer's after
+    every batch call), unless the user set ``TOKENIZERS_PARALLELISM``: then their setting is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    if setting is not None:
+        env["TOKENIZERS_PARALLELISM"] = setting
+    out = subprocess.run([sys.executable, "-c", _THREADS], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    if setting is None:
+        assert out == ["false", "0"]
+    else:
+        assert out[0] == "true" and int(out[1]) >= 1  # the library's pool: the check above can see threads
