@@ -116,3 +116,40 @@ def test_reader_verifies_the_hf_files(tmp_path: Path) -> None:
     with pytest.raises(SnapshotError, match=r"config\.json: sha256 does not match"):
         SnapshotReader(rd, name="t").load(1)
     assert SnapshotReader(rd, name="t").load(1, verify="size").version == 1  # sizes only
+
+
+@pytest.mark.parametrize("parts", [False, True], ids=["one-writer", "parts"])
+def test_unchanged_hf_files_are_linked_from_the_previous_snapshot(tmp_path: Path, parts: bool) -> None:
+    """A run publishes the same config every step: the next snapshot hard-links it instead of writing it again.
+    A changed config is written afresh, and a pruned previous folder falls back to writing."""
+    import shutil
+
+    model = tiny()
+    rd = RunDir.create(tmp_path / "run")
+    pub = SnapshotPublisher(rd, keep_last=10)
+    cfg = model.config.to_dict()
+
+    def publish(version: int, config: dict) -> Path:
+        if not parts:
+            return pub.publish(model.state_dict(), version=version, step=version, model_config=config)
+        return pub.publish_part(model.state_dict(), version=version, step=version, rank=0, world_size=1,
+                                token="t", model_config=config)
+
+    def inode(version: int, name: str) -> int:
+        return (rd.snapshot(version) / name).stat().st_ino
+
+    for v in (1, 2):
+        publish(v, cfg)
+    for name in ("config.json", "generation_config.json"):
+        assert inode(2, name) == inode(1, name) and (rd.snapshot(2) / name).stat().st_nlink == 2
+    check_hf_folder(rd.snapshot(2), model)
+
+    publish(3, {**cfg, "architectures": ["Qwen3ForCausalLM"], "note": "changed"})  # config.json changes
+    assert inode(3, "config.json") != inode(2, "config.json")
+    assert inode(3, "generation_config.json") == inode(2, "generation_config.json")
+    assert read_json(rd.snapshot(3) / "config.json")["note"] == "changed"
+
+    shutil.rmtree(rd.snapshot(3))  # pruned meanwhile: nothing to link from
+    folder = publish(4, cfg)
+    assert inode(4, "config.json") != inode(2, "config.json")
+    check_hf_folder(folder, model)

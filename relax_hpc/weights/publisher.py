@@ -109,6 +109,9 @@ class SnapshotPublisher:
         self.part_timeout_s = part_timeout_s
         self.events = events
         self._housekeeping: threading.Thread | None = None
+        self._last_hf: tuple[Path, list[dict[str, Any]]] | None = None
+        """The last snapshot this publisher committed and its HF side files (their entries): unchanged files are
+        hard-linked from there (:func:`write_hf_files`)."""
         try:
             for folder in (self.rd.weights, self.rd.weight_leases, self.rd.weight_pins):
                 folder.mkdir(parents=True, exist_ok=True)
@@ -140,8 +143,9 @@ class SnapshotPublisher:
         with staged_dir(final, marker_content=str(version)) as tmp:
             files, tensors = self._write(tmp, items, rank=0, world_size=1, shards={})
             manifest = self._manifest(version, step, files, tensors, 1, model_config, extra)
-            manifest["hf_files"] = write_hf_files(tmp, manifest, generation_config)
+            manifest["hf_files"] = write_hf_files(tmp, manifest, generation_config, previous=self._last_hf)
             atomic_write_json(tmp / MANIFEST, manifest, fsync=False)
+        self._last_hf = (final, manifest["hf_files"])
         self._finish(version, step, manifest, t0)
         return final
 
@@ -181,8 +185,10 @@ class SnapshotPublisher:
         parts = self._wait_parts(staging, version, world_size, token)
         files, index = self._merge(parts)
         manifest = self._manifest(version, step, files, index, world_size, model_config, extra)
-        manifest["hf_files"] = write_hf_files(staging, manifest, generation_config, fsync=True)
+        manifest["hf_files"] = write_hf_files(staging, manifest, generation_config, fsync=True,
+                                              previous=self._last_hf)
         self._commit(staging, version, manifest)
+        self._last_hf = (self.rd.snapshot(version), manifest["hf_files"])
         self._finish(version, step, manifest, t0)
         return self.rd.snapshot(version)
 
@@ -406,11 +412,17 @@ HF_INDEX = "model.safetensors.index.json"
 
 
 def write_hf_files(folder: Path, manifest: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None,
-                   *, fsync: bool = False) -> list[dict[str, Any]]:
+                   *, fsync: bool = False,
+                   previous: tuple[Path, list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """Make a snapshot folder an HF model folder: ``config.json`` (the manifest's ``model_config``),
     ``generation_config.json`` (given, or the token ids of the config as ``transformers`` derives it) and, when the
     tensors lie in several files, ``model.safetensors.index.json``. Nothing without a model config, and no index
-    when a tensor is sharded over files. Returns their manifest entries (name, bytes, sha256)."""
+    when a tensor is sharded over files. Returns their manifest entries (name, bytes, sha256).
+
+    ``previous``: an earlier complete snapshot folder and its entries. A file whose bytes are the same as there (the
+    config never changes within a run) is hard-linked from it instead of written: one ``link`` instead of a write, a
+    rename and an fsync of its own, on every publish (a demo step publishes every 40 ms). Where linking fails (the
+    folder was pruned meanwhile, a filesystem without hard links) the file is written."""
     import hashlib
     import json
 
@@ -429,12 +441,24 @@ def write_hf_files(folder: Path, manifest: Mapping[str, Any], generation_config:
     if whole and len(manifest["files"]) > 1:
         docs[HF_INDEX] = {"metadata": {"total_size": _tensor_bytes(tensors)},
                           "weight_map": {name: e["pieces"][0]["file"] for name, e in sorted(tensors.items())}}
+    before = {e["name"]: e["sha256"] for e in previous[1]} if previous is not None else {}
     entries = []
     for name, doc in docs.items():
         data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
-        atomic_write_bytes(folder / name, data, fsync=fsync)
-        entries.append({"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        sha = hashlib.sha256(data).hexdigest()
+        if before.get(name) != sha or previous is None or not _link(previous[0] / name, folder / name):
+            atomic_write_bytes(folder / name, data, fsync=fsync)
+        entries.append({"name": name, "bytes": len(data), "sha256": sha})
     return entries
+
+
+def _link(src: Path, dst: Path) -> bool:
+    """Hard-link ``src`` (a file of a complete snapshot: already durable) as ``dst``; False where that fails."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        return False
+    return True
 
 
 def _tensor_bytes(tensors: Mapping[str, Any]) -> int:
