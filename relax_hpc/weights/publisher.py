@@ -144,7 +144,7 @@ class SnapshotPublisher:
             files, tensors = self._write(tmp, items, rank=0, world_size=1, shards={})
             manifest = self._manifest(version, step, files, tensors, 1, model_config, extra)
             manifest["hf_files"] = write_hf_files(tmp, manifest, generation_config, previous=self._last_hf)
-            atomic_write_json(tmp / MANIFEST, manifest, fsync=False)
+            atomic_write_json(tmp / MANIFEST, manifest, fsync=False, indent=None)  # C encoder: 0.04 ms, not 0.2
         self._last_hf = (final, manifest["hf_files"])
         self._finish(version, step, manifest, t0)
         return final
@@ -363,7 +363,7 @@ class SnapshotPublisher:
 
     def _commit(self, staging: Path, version: int, manifest: dict[str, Any]) -> None:
         final = self.rd.snapshot(version)
-        atomic_write_json(staging / MANIFEST, manifest)
+        atomic_write_json(staging / MANIFEST, manifest, indent=None)
         atomic_write_text(staging / COMPLETE_MARKER, str(version))
         fsync_dir(staging)
         if final.exists():
