@@ -55,6 +55,11 @@ TIS_WEIGHT_MEAN = "train/tis_weight_mean"
 TIS_CLIPFRAC = "train/tis_clipfrac"
 
 
+_PER_TOKEN = ("logprobs", "old_logprobs", "rollout_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs",
+              "teacher_logprobs", "sample_weights")
+"""The float fields of :class:`LossInputs` with one value per token (``seq_ids`` besides them)."""
+
+
 @dataclass
 class LossInputs:
     """One packed micro-batch of response tokens. ``T`` = its response tokens, ``S`` = its sequences."""
@@ -92,17 +97,7 @@ class LossInputs:
 
     def __post_init__(self) -> None:
         (t,) = self.logprobs.shape
-        for name in (
-            "old_logprobs",
-            "rollout_logprobs",
-            "advantages",
-            "loss_mask",
-            "seq_ids",
-            "entropy",
-            "ref_logprobs",
-            "teacher_logprobs",
-            "sample_weights",
-        ):
+        for name in (*_PER_TOKEN[1:], "seq_ids"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (t,):
                 raise ValueError(f"LossInputs.{name} has shape {tuple(value.shape)}, expected ({t},) like logprobs")
@@ -110,10 +105,6 @@ class LossInputs:
             raise ValueError(f"LossInputs.seq_ids must be torch.long, got {self.seq_ids.dtype}")
         if self.max_response_tokens < 1:
             raise ValueError(f"LossInputs.max_response_tokens must be >= 1, got {self.max_response_tokens}")
-
-
-_PER_TOKEN = ("logprobs", "old_logprobs", "rollout_logprobs", "advantages", "loss_mask", "entropy", "ref_logprobs",
-              "teacher_logprobs", "sample_weights")
 
 
 def concat_inputs(xs: list[LossInputs]) -> LossInputs:
