@@ -21,7 +21,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -163,12 +163,15 @@ def read_json(path: Path | str, default: Any = ..., *, expect: type | tuple[type
 
 
 @contextlib.contextmanager
-def staged_dir(final: Path | str, *, marker: str = COMPLETE_MARKER, marker_content: str = "") -> Iterator[Path]:
+def staged_dir(final: Path | str, *, marker: str = COMPLETE_MARKER, marker_content: str = "",
+               durable: Collection[str] = ()) -> Iterator[Path]:
     """Build a directory under a temporary name and publish it atomically when the block exits cleanly.
 
     Inside the block, write files into the yielded folder. On exit every file is fsynced, the ``marker`` file is
     written last, and the folder is renamed to ``final`` (which must not exist yet). On an exception the temporary
-    folder is removed and ``final`` is untouched.
+    folder is removed and ``final`` is untouched. ``durable``: paths (relative to the folder) whose data the caller
+    already made durable (fsynced, or hard-linked from a published folder); read on exit, so the block may add to
+    it; they are not fsynced again (the folder's own fsync still covers their names).
     """
     final = Path(final)
     tmp = tmp_name(final)
@@ -178,7 +181,7 @@ def staged_dir(final: Path | str, *, marker: str = COMPLETE_MARKER, marker_conte
         raise RunDirError(_describe_oserror(exc, tmp)) from exc
     try:
         yield tmp
-        publish_dir(tmp, final, marker=marker, marker_content=marker_content)
+        publish_dir(tmp, final, marker=marker, marker_content=marker_content, durable=durable)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
@@ -186,11 +189,13 @@ def staged_dir(final: Path | str, *, marker: str = COMPLETE_MARKER, marker_conte
         raise
 
 
-def publish_dir(tmp: Path, final: Path, *, marker: str = COMPLETE_MARKER, marker_content: str = "") -> None:
-    """Publish the filled folder ``tmp`` as ``final`` (which must not exist yet): every file fsynced, the ``marker``
-    written last, one rename (what :func:`staged_dir` does on exit; for a folder several processes filled)."""
+def publish_dir(tmp: Path, final: Path, *, marker: str = COMPLETE_MARKER, marker_content: str = "",
+                durable: Collection[str] = ()) -> None:
+    """Publish the filled folder ``tmp`` as ``final`` (which must not exist yet): every file fsynced (but those
+    named in ``durable``, see :func:`staged_dir`), the ``marker`` written last, one rename (what :func:`staged_dir`
+    does on exit; for a folder several processes filled)."""
     for p in tmp.rglob("*"):
-        if p.is_file():
+        if p.is_file() and p.relative_to(tmp).as_posix() not in durable:
             _fsync_file(p)
     atomic_write_text(tmp / marker, marker_content)
     fsync_dir(tmp)

@@ -61,6 +61,27 @@ def test_staged_dir_is_all_or_nothing(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
 
 
+def test_staged_dir_fsyncs_every_file_but_those_declared_durable(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files the caller already made durable (declared inside the block) are not fsynced again; all others are."""
+    import relax_hpc.fsio as fsio
+
+    synced: list[str] = []
+    real = fsio._fsync_file
+    monkeypatch.setattr(fsio, "_fsync_file", lambda p: (synced.append(p.relative_to(tmp_path / "v1.tmp").as_posix()
+                                                                       if ".tmp" in str(p) else p.name), real(p)))
+    monkeypatch.setattr(fsio, "tmp_name", lambda final: final.with_name(final.name + ".tmp"))
+    durable: set[str] = set()
+    with staged_dir(tmp_path / "v1", durable=durable) as d:
+        (d / "sub").mkdir()
+        for name in ("data.bin", "meta.json", "sub/x.bin"):
+            (d / name).write_text(name)
+        durable.update({"data.bin", "sub/x.bin"})  # e.g. fsynced on a writer thread, or hard-linked
+    assert sorted(synced) == ["meta.json"]
+    assert sorted(p.relative_to(tmp_path / "v1").as_posix() for p in (tmp_path / "v1").rglob("*")) == [
+        "COMPLETE", "data.bin", "meta.json", "sub", "sub/x.bin"]
+
+
 def test_wait_for_times_out_naming_what() -> None:
     with pytest.raises(WaitTimeout, match="the unicorn"):
         wait_for(lambda: None, what="the unicorn", timeout_s=0.2)

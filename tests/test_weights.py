@@ -21,6 +21,7 @@ from relax_hpc.weights import (
     live_leases,
     pinned_versions,
 )
+from relax_hpc.weights.manifest import write_latest
 from relax_hpc.weights.retention import take_lease
 
 
@@ -301,6 +302,12 @@ def test_parallel_hash_streams_match_hashlib(rd, monkeypatch):
                     hasher.feed(s, memoryview(blob)[off:off + 4096])
         digests = hasher.finish()
     assert digests == [hashlib.sha256(b).hexdigest() for b in blobs]
+    with HashPipeline(threads=0) as inline:  # no workers: hashed as fed, on this thread
+        assert not inline._threads
+        streams = [inline.stream() for _ in blobs]
+        for s, blob in zip(streams, blobs, strict=True):
+            inline.feed(s, blob)
+        assert inline.finish() == digests
     pub = SnapshotPublisher(rd, max_file_bytes=1000)
     pub.publish(state(4), 1, 1)
     import relax_hpc.weights.format as fmt
@@ -311,3 +318,45 @@ def test_parallel_hash_streams_match_hashlib(rd, monkeypatch):
     pub.publish(sd, 2, 2)
     m2 = json.loads((rd.snapshot(2) / "manifest.json").read_text())
     assert [f["sha256"] for f in m2["files"]] == [f["sha256"] for f in m["files"]]
+
+
+def test_small_and_large_snapshots_write_the_same_files(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to ``INLINE_BYTES`` a snapshot is hashed and fsynced on the publishing thread, above it on worker threads:
+    the same bytes, sha256s and verification either way."""
+    import threading
+
+    import relax_hpc.weights.publisher as publisher
+
+    sd = {f"layer{i}.weight": torch.randn(64, 64) for i in range(6)}
+    started: list[str] = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda t: (started.append(t.name), real_start(t))[1])
+    manifests = []
+    for limit, name in ((1 << 30, "inline"), (0, "threads")):
+        monkeypatch.setattr(publisher, "INLINE_BYTES", limit)
+        rd = RunDir.create(tmp_path / name)
+        started.clear()
+        SnapshotPublisher(rd, max_file_bytes=40_000).publish(sd, 1, 1)
+        workers = [n for n in started if n.startswith(("sha256", "fsync"))]
+        assert (workers == []) == (name == "inline"), started
+        _, loaded, m = SnapshotReader(rd).load(verify="sha256")
+        assert all(torch.equal(loaded[k], v) for k, v in sd.items())
+        manifests.append([(f["name"], f["bytes"], f["sha256"]) for f in m["files"]])
+    assert manifests[0] == manifests[1] and len(manifests[0]) > 1
+
+
+def test_is_new_sees_folders_beyond_a_lagging_latest_and_then_trusts_its_own_commits(rd, monkeypatch) -> None:
+    """A resumed leader publishes only versions newer than LATEST and every complete folder on disk; once it has
+    committed a version itself, later versions are new without reading the disk (one leader per run)."""
+    import relax_hpc.weights.publisher as publisher
+
+    old = SnapshotPublisher(rd)
+    for v in (1, 2, 3):
+        old.publish(state(v), v, v)
+    write_latest(rd, 2, 2, time.time())  # killed between the folder's rename and LATEST's update
+    pub = SnapshotPublisher(rd)  # the next incarnation
+    assert not pub.is_new(2) and not pub.is_new(3) and pub.is_new(4)
+    pub.publish(state(4), 4, 4)
+    assert not pub.is_new(4)
+    monkeypatch.setattr(publisher, "complete_versions", lambda _rd: pytest.fail("read the disk"))
+    assert pub.is_new(5)

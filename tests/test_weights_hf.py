@@ -153,3 +153,11 @@ def test_unchanged_hf_files_are_linked_from_the_previous_snapshot(tmp_path: Path
     folder = publish(4, cfg)
     assert inode(4, "config.json") != inode(2, "config.json")
     check_hf_folder(folder, model)
+
+    cfg["extra_settings"] = {"a": 1}  # the remembered encoding of a config is keyed by its content, not its object
+    publish(5, cfg)
+    cfg["extra_settings"]["a"] = 2  # the same dict objects, changed in place
+    publish(6, cfg)
+    assert read_json(rd.snapshot(6) / "config.json")["extra_settings"] == {"a": 2}
+    assert inode(6, "config.json") != inode(5, "config.json")
+    assert inode(6, "generation_config.json") == inode(5, "generation_config.json")

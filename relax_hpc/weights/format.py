@@ -88,12 +88,13 @@ class HashPipeline:
 
     Each stream is hashed in order by one worker; different streams run on different workers in parallel. ``feed``
     never blocks; the buffers fed must stay unchanged until :meth:`finish` returns. Use as a context manager so the
-    threads end on errors too.
+    threads end on errors too. ``threads=0`` hashes on the caller's thread as it feeds (for small snapshots, where
+    starting the threads costs more than the hashing).
     """
 
     def __init__(self, threads: int | None = None) -> None:
         self._hashes: list[Any] = []
-        n = threads or hash_threads()
+        n = hash_threads() if threads is None else threads  # 0: hashed on the caller's thread
         self._queues: list[queue.SimpleQueue[tuple[int, memoryview] | None]] = [queue.SimpleQueue() for _ in range(n)]
         self._threads = [threading.Thread(target=self._run, args=(q,), name=f"sha256-{i}", daemon=True)
                          for i, q in enumerate(self._queues)]
@@ -115,6 +116,9 @@ class HashPipeline:
         return len(self._hashes) - 1
 
     def feed(self, idx: int, data: memoryview | bytes) -> None:
+        if not self._queues:  # no workers (small snapshots: starting a thread costs more than hashing)
+            self._hashes[idx].update(data)
+            return
         self._queues[idx % len(self._queues)].put((idx, memoryview(data)))
 
     def finish(self) -> list[str]:

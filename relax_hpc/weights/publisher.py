@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -112,6 +112,10 @@ class SnapshotPublisher:
         self._last_hf: tuple[Path, list[dict[str, Any]]] | None = None
         """The last snapshot this publisher committed and its HF side files (their entries): unchanged files are
         hard-linked from there (:func:`write_hf_files`)."""
+        self._hf_memo: dict[str, tuple[str, bytes, str]] = {}
+        """The HF side files' last content (compact JSON), bytes and sha256 by name: not encoded again unchanged."""
+        self._newest: int | None = None
+        """The newest version this publisher committed (one leader per run: nothing newer appears on disk)."""
         try:
             for folder in (self.rd.weights, self.rd.weight_leases, self.rd.weight_pins):
                 folder.mkdir(parents=True, exist_ok=True)
@@ -127,6 +131,8 @@ class SnapshotPublisher:
     def is_new(self, version: int) -> bool:
         """True if ``version`` is newer than LATEST and than every complete snapshot on disk (LATEST may lag a
         folder published just before a kill, or be damaged): a resumed trainer publishes only such versions."""
+        if self._newest is not None and version > self._newest:  # the leader's own last commit is the newest
+            return True
         versions = complete_versions(self.rd)
         latest = latest_version(self.rd)
         return version > max(-1 if latest is None else latest, versions[-1] if versions else -1)
@@ -140,10 +146,13 @@ class SnapshotPublisher:
         items = self._items(state_dict)
         t0 = time.monotonic()
         final = self.rd.snapshot(version)
-        with staged_dir(final, marker_content=str(version)) as tmp:
+        durable: set[str] = set()  # the tensor files (fsynced as written) and linked HF files: no second fsync
+        with staged_dir(final, marker_content=str(version), durable=durable) as tmp:
             files, tensors = self._write(tmp, items, rank=0, world_size=1, shards={})
+            durable.update(f["name"] for f in files)
             manifest = self._manifest(version, step, files, tensors, 1, model_config, extra)
-            manifest["hf_files"] = write_hf_files(tmp, manifest, generation_config, previous=self._last_hf)
+            manifest["hf_files"] = write_hf_files(tmp, manifest, generation_config, previous=self._last_hf,
+                                                  memo=self._hf_memo, linked=durable)
             atomic_write_json(tmp / MANIFEST, manifest, fsync=False, indent=None)  # C encoder: 0.04 ms, not 0.2
         self._last_hf = (final, manifest["hf_files"])
         self._finish(version, step, manifest, t0)
@@ -186,7 +195,7 @@ class SnapshotPublisher:
         files, index = self._merge(parts)
         manifest = self._manifest(version, step, files, index, world_size, model_config, extra)
         manifest["hf_files"] = write_hf_files(staging, manifest, generation_config, fsync=True,
-                                              previous=self._last_hf)
+                                              previous=self._last_hf, memo=self._hf_memo)
         self._commit(staging, version, manifest)
         self._last_hf = (self.rd.snapshot(version), manifest["hf_files"])
         self._finish(version, step, manifest, t0)
@@ -266,7 +275,10 @@ class SnapshotPublisher:
         files: list[dict[str, Any]] = []
         streams: list[int] = []
         # sha256 runs on one thread and fsync on another while the next file is written; all three release the GIL.
-        with HashPipeline() as hasher, ThreadPoolExecutor(1, thread_name_prefix="fsync") as flusher:
+        # A small snapshot does both on this thread: starting two threads would cost more than the work.
+        small = sum(tensor_nbytes(t) for _, t in items) <= INLINE_BYTES
+        with HashPipeline(0 if small else None) as hasher, \
+                (_Inline() if small else ThreadPoolExecutor(1, thread_name_prefix="fsync")) as flusher:
             synced = []
             for i, group in enumerate(groups):
                 path = folder / ("model.safetensors" if single else
@@ -375,6 +387,7 @@ class SnapshotPublisher:
         fsync_dir(final.parent)
 
     def _finish(self, version: int, step: int, manifest: dict[str, Any], t0: float) -> None:
+        self._newest = version if self._newest is None else max(self._newest, version)
         current = latest_version(self.rd)
         if current is None or version > current:
             write_latest(self.rd, version, step, manifest["time"])
@@ -412,8 +425,9 @@ HF_INDEX = "model.safetensors.index.json"
 
 
 def write_hf_files(folder: Path, manifest: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None,
-                   *, fsync: bool = False,
-                   previous: tuple[Path, list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+                   *, fsync: bool = False, previous: tuple[Path, list[dict[str, Any]]] | None = None,
+                   memo: dict[str, tuple[str, bytes, str]] | None = None,
+                   linked: set[str] | None = None) -> list[dict[str, Any]]:
     """Make a snapshot folder an HF model folder: ``config.json`` (the manifest's ``model_config``),
     ``generation_config.json`` (given, or the token ids of the config as ``transformers`` derives it) and, when the
     tensors lie in several files, ``model.safetensors.index.json``. Nothing without a model config, and no index
@@ -422,7 +436,11 @@ def write_hf_files(folder: Path, manifest: Mapping[str, Any], generation_config:
     ``previous``: an earlier complete snapshot folder and its entries. A file whose bytes are the same as there (the
     config never changes within a run) is hard-linked from it instead of written: one ``link`` instead of a write, a
     rename and an fsync of its own, on every publish (a demo step publishes every 40 ms). Where linking fails (the
-    folder was pruned meanwhile, a filesystem without hard links) the file is written."""
+    folder was pruned meanwhile, a filesystem without hard links) the file is written.
+
+    ``memo`` (kept by the caller between calls) holds each file's last content (compact JSON, C encoder) with its
+    bytes and sha256, so the same content is not encoded with indentation (Python's encoder) and hashed again.
+    ``linked`` collects the names that were linked (durable already: no fsync needed)."""
     import hashlib
     import json
 
@@ -443,10 +461,20 @@ def write_hf_files(folder: Path, manifest: Mapping[str, Any], generation_config:
                           "weight_map": {name: e["pieces"][0]["file"] for name, e in sorted(tensors.items())}}
     before = {e["name"]: e["sha256"] for e in previous[1]} if previous is not None else {}
     entries = []
+    memo = {} if memo is None else memo
     for name, doc in docs.items():
-        data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
-        sha = hashlib.sha256(data).hexdigest()
-        if before.get(name) != sha or previous is None or not _link(previous[0] / name, folder / name):
+        key = json.dumps(doc, sort_keys=True)  # the C encoder; the indented form below is Python's (slower)
+        known = memo.get(name)
+        if known is not None and known[0] == key:
+            data, sha = known[1], known[2]
+        else:
+            data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+            sha = hashlib.sha256(data).hexdigest()
+            memo[name] = (key, data, sha)
+        if before.get(name) == sha and previous is not None and _link(previous[0] / name, folder / name):
+            if linked is not None:
+                linked.add(name)
+        else:
             atomic_write_bytes(folder / name, data, fsync=fsync)
         entries.append({"name": name, "bytes": len(data), "sha256": sha})
     return entries
@@ -471,6 +499,28 @@ def _tensor_bytes(tensors: Mapping[str, Any]) -> int:
             n *= int(d)
         total += n * torch_dtype(entry["dtype"]).itemsize
     return total
+
+
+INLINE_BYTES = 4 << 20
+"""Snapshots up to this size are hashed and fsynced on the publishing thread (no worker threads)."""
+
+
+class _Inline:
+    """The executor interface of ``ThreadPoolExecutor(1)``, running each call at once on the caller's thread."""
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as exc:  # re-raised by .result(), as the pool's future would
+            done.set_exception(exc)
+        return done
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def _fsync(path: Path) -> None:
