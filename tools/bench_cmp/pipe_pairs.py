@@ -1,4 +1,5 @@
-"""Paired differences of a ``bench pipeline`` A/B (tools/bench_cmp/pipe_ab.sh): ``python3 pipe_pairs.py PREFIX N``.
+"""Paired differences of a ``bench pipeline`` A/B (``tools/bench_cmp/ab.sh pipeline N STEPS``):
+``python3 pipe_pairs.py /tmp/ab/pipeline-TAG N``.
 
 Per figure: the median of each side over the reps, and new minus base per rep (mean ± standard error, median)."""
 
