@@ -22,13 +22,15 @@ TOOL = REPO / "tools" / "gpu" / "carry.py"
 PART = 100_000
 
 
-def make_wheel(folder: Path, name: str, version: str, payload: int) -> Path:
+def make_wheel(folder: Path, name: str, version: str, payload: int, requires: tuple[str, ...] = ()) -> Path:
     """A minimal, installable pure-Python wheel whose package holds ``payload`` random (incompressible) bytes."""
     dist = f"{name}-{version}.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n"
+                                                                                 for r in requires)
     files = {
         f"{name}/__init__.py": f"VALUE = {name!r}\n".encode(),
         f"{name}/blob.bin": os.urandom(payload),
-        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}/METADATA": meta.encode(),
         f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     record = []
@@ -53,8 +55,8 @@ def split_repo(tmp_path: Path) -> tuple[Path, list[Path], dict]:
     """A git checkout (``.carry/`` ignored) split into parts of 100,000 bytes from three wheels."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    made = [make_wheel(wheels, "carrya", "1.0", 150_000), make_wheel(wheels, "carryb", "2.1", 40_000),
-            make_wheel(wheels, "carryc", "0.3", 260_000)]
+    made = [make_wheel(wheels, "carrya", "1.0", 150_000, ("carryb>=2.0", "carryc<0.1; python_version < '3'")),
+            make_wheel(wheels, "carryb", "2.1", 40_000), make_wheel(wheels, "carryc", "0.3", 260_000)]
     repo = tmp_path / "repo"
     (repo / "tools" / "gpu").mkdir(parents=True)
     shutil.copy(TOOL, repo / "tools" / "gpu" / "carry.py")
@@ -187,6 +189,23 @@ def test_bad_input_gets_one_error_line(tmp_path) -> None:
     assert not (repo / ".carry").exists()  # nothing written by a refused split
 
 
+def test_wheels_that_ask_for_other_versions_of_each_other_are_refused_unless_allowed(tmp_path) -> None:
+    wheels = tmp_path / "w"
+    wheels.mkdir()
+    make_wheel(wheels, "carrya", "1.0", 10, ("carryb>=2.0,<3", "carryc==1.0", "other>=9", "carryc>5; extra == 'x'"))
+    make_wheel(wheels, "carryb", "3.1", 10)
+    make_wheel(wheels, "carryc", "1.0", 10)
+    r = carry("split", "--wheels", str(wheels), "--out", str(tmp_path / "o"), "--no-repo-check")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: carrya 1.0 requires carryb<3,>=2.0, the set has 3.1: pin it in the wheel list"], r.stderr
+    assert not (tmp_path / "o").exists()
+    # download's lock.json carries the wheel list's allow-conflict lines: the conflict is then a note
+    (wheels / "lock.json").write_text(json.dumps({"allowed_conflicts": ["carryb"]}))
+    r = carry("split", "--wheels", str(wheels), "--out", str(tmp_path / "o"), "--no-repo-check")
+    assert r.returncode == 0 and "note: carrya 1.0 requires carryb<3,>=2.0" in r.stderr, r.stderr
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["bytes"] > 0
+
+
 def test_download_asks_pip_for_cpython_312_manylinux_wheels_without_dependencies() -> None:
     sys.path.insert(0, str(TOOL.parent))
     try:
@@ -195,6 +214,7 @@ def test_download_asks_pip_for_cpython_312_manylinux_wheels_without_dependencies
         sys.path.remove(str(TOOL.parent))
     reqs = tool.read_spec(tool.SPEC)
     assert reqs[0] == "vllm==0.26.0" and "xgrammar==0.2.7" in reqs and len(reqs) == len(set(reqs)) == 28
+    assert "apache-tvm-ffi==0.1.10" in reqs and tool.read_allowed(tool.SPEC) == ["llguidance"]
     cmd = tool.pip_download_command(reqs, Path("/cache"))
     assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
     assert cmd[cmd.index("--python-version") + 1] == "3.12" and cmd[cmd.index("-d") + 1] == "/cache"

@@ -88,13 +88,25 @@ def part_name(index: int, count: int) -> str:
 # ---------------------------------------------------------------------------------------------------- download
 
 
+ALLOW = "allow-conflict:"
+"""A wheel-list line ``allow-conflict: NAME`` accepts that the set's NAME is not the version another wheel asks for
+(for instance when no such version is published for the GPU machine)."""
+
+
 def read_spec(path: Path) -> list[str]:
+    """The requirements of a wheel list (one a line; ``#`` comments and ``allow-conflict:`` lines left out)."""
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise CarryError(f"cannot read the wheel list {path}: {exc.strerror}") from None
     reqs = [x.split("#", 1)[0].strip() for x in lines]
-    return [r for r in reqs if r]
+    return [r for r in reqs if r and not r.startswith(ALLOW)]
+
+
+def read_allowed(path: Path) -> list[str]:
+    """The project names of the wheel list's ``allow-conflict:`` lines."""
+    lines = [x.split("#", 1)[0].strip() for x in path.read_text().splitlines()]
+    return [x[len(ALLOW):].strip() for x in lines if x.startswith(ALLOW)]
 
 
 def pip_download_command(reqs: list[str], cache: Path, python_version: str = "3.12") -> list[str]:
@@ -107,19 +119,87 @@ def pip_download_command(reqs: list[str], cache: Path, python_version: str = "3.
 
 def download(spec: Path, cache: Path) -> dict[str, Any]:
     """``pip download --no-deps`` of every requirement of ``spec`` into ``cache`` (network), then lock.json there:
-    the exact files and their sha256s."""
+    the exact files and their sha256s. The files land in a fresh folder that replaces ``cache`` once pip succeeds, so
+    a changed pin leaves no older wheel beside the new one."""
     reqs = read_spec(spec)
-    cache.mkdir(parents=True, exist_ok=True)
-    cmd = pip_download_command(reqs, cache)
+    incoming = cache.parent / f"{cache.name}.incoming"
+    shutil.rmtree(incoming, ignore_errors=True)
+    incoming.mkdir(parents=True)
+    cmd = pip_download_command(reqs, incoming)
     print("$", " ".join(cmd), file=sys.stderr)
     r = subprocess.run(cmd, timeout=3600)
     if r.returncode != 0:
-        raise CarryError(f"pip download failed (exit {r.returncode}); its output is above")
+        raise CarryError(f"pip download failed (exit {r.returncode}); its output is above; {cache} is unchanged")
+    shutil.rmtree(cache, ignore_errors=True)
+    incoming.rename(cache)
     wheels = select_wheels(cache)
-    lock = {"format": FORMAT, "spec": str(spec), "requirements": reqs, "python": "3.12", "platforms": list(PLATFORMS),
+    allowed = read_allowed(spec)
+    lock = {"format": FORMAT, "spec": str(spec), "requirements": reqs, "allowed_conflicts": allowed,
+            "python": "3.12", "platforms": list(PLATFORMS),
             "wheels": [{"name": w.name, "bytes": w.stat().st_size, "sha256": sha256_file(w)} for w in wheels]}
     (cache / "lock.json").write_text(json.dumps(lock, indent=1) + "\n")
+    check_versions(wheels, allowed)
     return lock
+
+
+TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_machine": "x86_64",
+              "platform_system": "Linux", "sys_platform": "linux", "os_name": "posix", "implementation_name": "cpython",
+              "platform_python_implementation": "CPython", "extra": ""}
+"""The GPU machine, for the environment markers of a wheel's requirements."""
+
+
+def requires(wheel: Path) -> list[str]:
+    """The ``Requires-Dist`` lines of a wheel's METADATA."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = next((n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), None)
+        text = z.read(meta).decode("utf-8", "replace") if meta else ""
+    return [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Requires-Dist:")]
+
+
+def check_versions(wheels: list[Path], allowed: list[str]) -> None:
+    """Refuse a set with version conflicts, except on the projects ``allowed`` (those are printed as notes)."""
+    from packaging.utils import canonicalize_name
+
+    ok = {canonicalize_name(a) for a in allowed}
+    problems = []
+    for name, text in version_conflicts(wheels):
+        if canonicalize_name(name) in ok:
+            print(f"note: {text} (allowed by the wheel list)", file=sys.stderr)
+        else:
+            problems.append(f"{text}: pin it in the wheel list")
+    if problems:
+        raise CarryError(*problems)
+
+
+def version_conflicts(wheels: list[Path]) -> list[tuple[str, str]]:
+    """Each requirement of a wheel of the set that names another wheel of the set whose version it does not allow
+    (markers evaluated for CPython 3.12 on x86-64 Linux, extras not taken). Projects outside the set are the GPU
+    machine's or not needed: not checked."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import InvalidVersion, Version
+
+    versions = {canonicalize_name(project_of(w.name)): w.name.split("-")[1] for w in wheels}
+    problems = []
+    for w in wheels:
+        for line in requires(w):
+            try:
+                req = Requirement(line)
+            except InvalidRequirement:
+                continue
+            have = versions.get(canonicalize_name(req.name))
+            if have is None or (req.marker is not None and not req.marker.evaluate(TARGET_ENV)):
+                continue
+            try:
+                ok = req.specifier.contains(Version(have), prereleases=True)
+            except InvalidVersion:
+                ok = False
+            if not ok:
+                problems.append((req.name, f"{w.name.split('-')[0]} {w.name.split('-')[1]} requires "
+                                           f"{req.name}{req.specifier}, the set has {have}"))
+    return problems
 
 
 def select_wheels(folder: Path) -> list[Path]:
@@ -169,8 +249,15 @@ def check_ignored(repo: Path, out: Path) -> None:
 
 def split(wheels_dir: Path, out: Path, part_bytes: int, repo: Path | None, name: str) -> dict[str, Any]:
     """Concatenate the wheels into one stream and cut it into parts of at most ``part_bytes``; manifest.json holds
-    the offset, size and sha256 of every wheel and the size and sha256 of every part."""
+    the offset, size and sha256 of every wheel and the size and sha256 of every part. A set whose wheels ask for
+    other versions of each other is refused."""
     wheels = select_wheels(wheels_dir)
+    lock = wheels_dir / "lock.json"
+    try:
+        allowed = json.loads(lock.read_text()).get("allowed_conflicts", []) if lock.is_file() else []
+    except ValueError:
+        raise CarryError(f"{lock} is not JSON: download again") from None
+    check_versions(wheels, allowed)
     if part_bytes <= 0:
         raise CarryError(f"part size must be positive, not {part_bytes}")
     if repo is not None:
