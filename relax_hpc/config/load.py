@@ -179,6 +179,23 @@ def validate_dict(data: dict[str, Any]) -> RecipeConfig:
         raise ConfigError(format_validation_error(exc, data=data)) from None
 
 
+def validate_resolved(data: dict[str, Any]) -> RecipeConfig:
+    """Validate a run dir's resolved config (``config.json``, written by :func:`config_to_json`). Versions before the
+    variant sections wrote every variant's keys (``trainer.megatron`` of a torch run), which that run ignored; they
+    are dropped here, so such run dirs resume with the settings they ran with. A key no variant has stays an
+    error."""
+    if isinstance(data, dict):
+        data = copy.deepcopy(data)
+        for loc, variants in union_points(RecipeConfig).items():
+            section = _section_at(data, loc)
+            model = variants.models.get(variants.tag_of(section)) if isinstance(section, dict) else None
+            if model is None:
+                continue
+            for key in [k for k in section if k not in model.model_fields and variants.owners(k)]:
+                del section[key]
+    return validate_dict(data)
+
+
 def read_recipe_file(path: Path | str) -> dict[str, Any]:
     """Read a recipe YAML file into a mapping (relative data paths are resolved against its folder)."""
     path = Path(path)
