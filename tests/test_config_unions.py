@@ -219,3 +219,20 @@ def test_no_config_module_imports_trainer_code() -> None:
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             bad += [f"{path.name}: {n}" for n in names if n.startswith(("relax_hpc.trainer", "relax_hpc.modes"))]
     assert bad == []
+
+
+def test_an_algorithm_reading_another_variants_options_says_so() -> None:
+    """The sapo loss and the distill advantages read their own variant's options; given another variant's section
+    (a user algorithm reusing them, whose recipe has the shared options only) they refuse it in one line."""
+    import numpy as np
+
+    from relax_hpc.algorithms.registry import get_algorithm
+
+    distill = get_algorithm("distill")
+    rewards, groups = np.array([1.0, 0.0]), np.array([0, 0])
+    cfg = load_recipe(DEMO, ["algorithm.name=distill", "algorithm.distill.reward_coef=0.5"]).algorithm
+    np.testing.assert_allclose(distill.sequence_advantages(rewards, groups, cfg), [0.5, -0.5], rtol=1e-4)
+    with pytest.raises(ConfigError, match=r"reads the options of algorithm\.name: distill"):
+        distill.sequence_advantages(rewards, groups, GRPOConfig(name="gspo"))
+    with pytest.raises(ValueError, match="sapo has options of its own"):
+        GRPOConfig(name="sapo")

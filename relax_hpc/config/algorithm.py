@@ -7,7 +7,7 @@ temperatures ``sapo_tau_*``), :class:`DistillAlgorithmConfig` (``distill``: the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 from pydantic import Field, field_validator
 
@@ -126,6 +126,22 @@ if TYPE_CHECKING:
 else:
     AlgorithmConfig = ALGORITHM_VARIANTS.annotation()
 """The ``algorithm`` section: one of its variants."""
+
+
+V = TypeVar("V", bound=AlgorithmBase)
+
+
+def own_options(cfg: AlgorithmBase, variant: type[V]) -> V:
+    """``cfg`` as the variant whose options an algorithm reads (``SAPOConfig`` for ``sapo``); a
+    :class:`~relax_hpc.errors.ConfigError` where the recipe selected another (a user algorithm reusing ``sapo``'s
+    loss gets the shared options only)."""
+    if not isinstance(cfg, variant):
+        from relax_hpc.errors import ConfigError
+
+        tag = next(t for t, m in ALGORITHM_VARIANTS.models.items() if m is variant)
+        raise ConfigError(f"algorithm {cfg.name!r} reads the options of algorithm.name: {tag}, which this recipe "
+                          f"does not select")
+    return cfg
 
 
 def algorithm_config(**fields: Any) -> AlgorithmConfig:

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from relax_hpc.config.trainer import MegatronTrainerConfig
 from relax_hpc.errors import UserError
 from relax_hpc.trainer.megatron.mapping import ModelShape, padded_vocab_size
 
 if TYPE_CHECKING:
-    from relax_hpc.config.schema import MegatronTrainerConfig, ModelConfig, RecipeConfig
+    from relax_hpc.config.schema import ModelConfig, RecipeConfig
 
 ACTIVATIONS = {"silu": "silu"}
 """HF ``hidden_act`` -> the activation the backend passes as ``activation_func`` (with ``gated_linear_unit``)."""
@@ -158,6 +159,8 @@ def require_megatron_core() -> None:
 
 def check_recipe(cfg: RecipeConfig) -> None:
     """Everything a ``trainer.backend: megatron`` recipe can be checked for before launch (see module docstring)."""
+    if not isinstance(cfg.trainer, MegatronTrainerConfig):
+        raise UserError(f"trainer.backend is {cfg.trainer.backend}: no megatron layout to check")
     mc = cfg.trainer.megatron
     hf = hf_config_of(cfg.model)
     if hf is not None:
