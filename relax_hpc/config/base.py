@@ -8,6 +8,7 @@ not selected is an error (``trainer.megatron`` with ``trainer.backend: torch``),
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Union
@@ -86,6 +87,7 @@ def variants_of(annotation: Any, metadata: list[Any] | None = None) -> Variants 
     return None
 
 
+@functools.cache
 def union_points(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Variants]:
     """Every variant section under ``model`` by its key path (``("trainer",)`` -> the trainer's variants), nested
     ones included (a section inside a variant)."""
