@@ -1,6 +1,9 @@
 """Typed recipe schema: :class:`RecipeConfig`, assembled from one module per section (``config/model.py``,
 ``config/rollout.py``, ``config/trainer.py`` ...), whose classes are re-exported here. Imports no torch and no
-trainer, rollout or launch code: the CLI, the launcher and the monitor validate recipes without them.
+trainer or rollout code (the CLI, the launcher and the monitor validate recipes without them); the validators that
+check names against a registry (algorithms, rewards, environments, Slurm parameters) import it when they run. What
+needs a trainer backend's knowledge (the megatron layout against the model) is checked by
+:mod:`relax_hpc.trainer.checks`.
 
 Precedence, stated once: ``--set`` overrides > recipe file > defaults. Every field has a docstring (shown by
 ``relax-hpc validate --explain`` and in docs/recipes.md). Sections with variants (``trainer`` by ``backend``,
