@@ -673,5 +673,6 @@ def from_config(cfg: Any, *, device: str | None, seed: int, tokenizer: Any, mode
         model = load_model(cfg.model, tokenizer, device=device, dtype=resolve_dtype(cfg.model.dtype, device))
     dev = device or str(next(model.parameters()).device)
     return HFEngine(model, tokenizer, cfg.rollout.sampling, device=dev, batch_prompts=cfg.rollout.batch_prompts,
-                    seed=seed, decoder=cfg.rollout.hf_decoder, shared=shared, threaded=not shared)
+                    seed=seed, decoder=cfg.rollout.hf_decoder if cfg.rollout.engine == "hf" else "auto", shared=shared,
+                    threaded=not shared)
 
