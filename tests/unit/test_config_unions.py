@@ -30,7 +30,7 @@ from relax_hpc.config.schema import (
 )
 from relax_hpc.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "recipes" / "demo.yaml"
 MEGATRON = REPO / "recipes" / "qwen3-4b-megatron-tp2.yaml"
 BASE = "data: {task: {name: reverse_digits}}\nmodel: {path: tiny}\n"
