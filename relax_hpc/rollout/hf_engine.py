@@ -14,6 +14,17 @@ holds the batch (weights may be received meanwhile: later tokens carry the new v
 Sampling is reproducible: each batch draws a seed from the engine's generator (seeded with ``seed``), or uses the
 request's own ``sampling.seed`` (such a request is batched alone). Requests queued together by one
 :func:`asyncio.gather` are batched in submission order.
+
+An engine with a thread of its own and ``slots > 0`` (:func:`from_config` gives an engine that loads its own model,
+a fully_async worker's, ``batch_prompts x n_samples``) decodes text prompts to a Llama-style model in a
+:class:`~relax_hpc.rollout.slots.SlotPool` instead: a fixed pool of decode rows over a static KV cache where a row
+that ends hands its slot to the next queued sample between two runs of ``check_every`` decode steps, so the decode
+steps stay full while requests keep arriving. Each row keeps its own settings, and its draws depend only on its
+request's seed (the request's own, or one drawn from the engine's generator when the request is admitted) and its
+sample index: a request decoded beside others gives the tokens it gives alone. Aborted rows end at the next check
+with their tokens; a pause without abort holds the pool (weights received meanwhile: the next tokens carry the new
+version). Multimodal prompts and stop strings still go to static batches, run between two runs of the pool.
+:meth:`HFEngine.metrics` reports the decode-step occupancy of either path.
 """
 
 from __future__ import annotations

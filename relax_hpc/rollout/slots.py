@@ -153,6 +153,8 @@ class Occupancy:
 # ------------------------------------------------------------------------------------------------ the pool
 @dataclass(frozen=True)
 class _Variant:
+    rows: int
+    """The step computes slots [0, rows) (a bucket: the pool's size or a power of two below it)."""
     span: int
     steps: int
     cut: bool
@@ -193,6 +195,9 @@ class SlotPool:
         self.cut_of = [False] * self.slots
         """Per slot: its row has a top-k or top-p cut."""
         self.occupancy = occupancy or Occupancy()
+        self.compact = True
+        """Move the occupied slots to the front when they fill at most half of their bucket."""
+        self.compactions = 0
         self._alloc(max(SPAN, _round(length)), 4)
 
     # ------------------------------------------------------------------ state
@@ -293,32 +298,33 @@ class SlotPool:
         self.last[rows] = tok
 
     # ------------------------------------------------------------------ the step
-    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, span: int,
+    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: int, span: int,
                mask: torch.Tensor) -> torch.Tensor:
-        layer, s = self.layers[i], self.slots
+        layer = self.layers[i]
         q, k, v = self._pre(layer, x, cos, sin, self.rope, self.head_dim)
-        self.k[i][self.rows, :, self.pos] = k[:, :, 0]
-        self.v[i][self.rows, :, self.pos] = v[:, :, 0]
-        qg = q.reshape(s, self.kv_heads, self.q_heads // self.kv_heads, self.head_dim)
+        self.k[i][self.rows[:b], :, self.pos[:b]] = k[:, :, 0]
+        self.v[i][self.rows[:b], :, self.pos[:b]] = v[:, :, 0]
+        qg = q.reshape(b, self.kv_heads, self.q_heads // self.kv_heads, self.head_dim)
         o = torch.nn.functional.scaled_dot_product_attention(
-            qg, self.k[i][:, :, :span], self.v[i][:, :, :span], attn_mask=mask, scale=self.scaling)
-        return self._post(layer, x, o.reshape(s, 1, self.q_heads * self.head_dim))
+            qg, self.k[i][:b, :, :span], self.v[i][:b, :, :span], attn_mask=mask, scale=self.scaling)
+        return self._post(layer, x, o.reshape(b, 1, self.q_heads * self.head_dim))
 
-    def _step(self, span: int, cut: bool) -> None:
-        """One decode step of every slot, reading ``span`` cache columns; touches only static state."""
-        x = self.inner.embed_tokens(self.last[:, None])
-        cos, sin = self.inner.rotary_emb(x, self.pos[:, None])
-        mask = torch.zeros((self.slots, 1, 1, span), dtype=x.dtype, device=x.device).masked_fill_(
-            (self.cols[None, :span] > self.pos[:, None])[:, None, None, :], float("-inf"))
+    def _step(self, b: int, span: int, cut: bool) -> None:
+        """One decode step of slots [0, b), reading ``span`` cache columns; touches only static state."""
+        x = self.inner.embed_tokens(self.last[:b, None])
+        cos, sin = self.inner.rotary_emb(x, self.pos[:b, None])
+        mask = torch.zeros((b, 1, 1, span), dtype=x.dtype, device=x.device).masked_fill_(
+            (self.cols[None, :span] > self.pos[:b, None])[:, None, None, :], float("-inf"))
         for i in range(len(self.layers)):
-            x = self._layer(i, x, cos, sin, span, mask)
+            x = self._layer(i, x, cos, sin, b, span, mask)
         logits = self.model.lm_head(self.inner.norm(x))[:, 0].float()
-        tok, lp = self._draw(logits, slice(None), cut)
-        self._record(slice(None), tok, lp)
+        rows = slice(0, b)
+        tok, lp = self._draw(logits, rows, cut)
+        self._record(rows, tok, lp)
 
     def _steps(self, var: _Variant) -> None:
         for _ in range(var.steps):
-            self._step(var.span, var.cut)
+            self._step(var.rows, var.span, var.cut)
 
     def _replay(self, var: _Variant) -> None:
         """``var.steps`` steps: eagerly, or replayed from their CUDA graph (captured after one real run)."""
@@ -421,24 +427,47 @@ class SlotPool:
     # ------------------------------------------------------------------ running
     @torch.no_grad()
     def run(self, steps: int | None = None) -> list[Finished]:
-        """Up to ``steps`` (default ``check_every``) decode steps of the occupied slots; returns the rows that ended."""
+        """Up to ``steps`` (default ``check_every``) decode steps of the occupied slots; returns the rows that ended.
+        The steps compute the smallest bucket of slots that holds every occupied one; when the occupied slots fill
+        at most half of their bucket (the tail, once no request is queued), they move to the front first."""
         busy = self.busy()
         if not busy:
             return []
+        if self.compact and len(busy) <= _bucket(busy[-1] + 1, self.slots) // 2:
+            busy = self._compact(busy)
         n = steps or self.check_every
-        before = self.gen.clone()
-        state = torch.stack([self.done.long(), self.pos]).cpu().numpy()
+        b = _bucket(busy[-1] + 1, self.slots)
+        before = self.gen[:b].clone()
+        state = torch.stack([self.done[:b].long(), self.pos[:b]]).cpu().numpy()
         live = [i for i in busy if not state[0, i]]
         top = int(state[1, live].max()) if live else 0
         cut = any(self.cut_of[i] for i in live)
-        var = _Variant(span=min(self.length, _round(top + n)), steps=n, cut=cut)
+        var = _Variant(rows=b, span=min(self.length, _round(top + n)), steps=n, cut=cut)
         t0 = time.perf_counter()
         self._replay(var)
         finished = self._harvest(busy)
         seconds = time.perf_counter() - t0
-        row_steps = float((self.gen - before).sum())
+        row_steps = float((self.gen[:b] - before).sum())
+        # against the pool's size: a step with few rows runs a smaller bucket, but still far below a full batch
         self.occupancy.add(row_steps, self.slots, n, seconds, len(live) < LOW_OCCUPANCY * self.slots)
         return finished
+
+    def _compact(self, busy: list[int]) -> list[int]:
+        """Move the rows of ``busy`` to slots [0, len(busy)) (order kept), with their caches and state."""
+        src = torch.tensor(busy, dtype=torch.long, device=self.device)
+        dst = torch.arange(len(busy), device=self.device)
+        for cache in (*self.k, *self.v):
+            cache[dst] = cache[src]
+        for st in (self.pos, self.last, self.gen, self.budget, self.done, self.temp, self.greedy, self.top_k,
+                   self.top_p, self.keys, self.stops, self.hist_tok, self.hist_lp, self.hist_ver):
+            st[dst] = st[src]
+        self.done[len(busy):] = True
+        rest = self.slots - len(busy)
+        self.tags = [self.tags[i] for i in busy] + [None] * rest
+        self.stops_of = [self.stops_of[i] for i in busy] + [()] * rest
+        self.cut_of = [self.cut_of[i] for i in busy] + [False] * rest
+        self.compactions += 1
+        return list(range(len(busy)))
 
     def _harvest(self, slots: Sequence[int], *, abort: bool = False) -> list[Finished]:
         """The rows in ``slots`` that ended (all of them with ``abort``) as results; their slots are freed."""
@@ -471,6 +500,14 @@ class SlotPool:
         """End the rows in ``slots`` now (aborted requests): their tokens so far, reason ``abort`` for rows still
         running."""
         return self._harvest(list(slots), abort=True)
+
+
+def _bucket(n: int, slots: int) -> int:
+    """The smallest of ``slots`` and the powers of two that is >= ``n``."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, slots)
 
 
 def _round(n: int) -> int:

@@ -61,6 +61,7 @@ def test_each_request_decoded_in_the_pool_equals_the_request_decoded_alone() -> 
         pooled = run_all(pooled_eng, reqs)
         alone = [run_all(alone_eng, [r])[0] for r in reqs]  # one request at a time: nothing else in the pool
         stats = pooled_eng.metrics()
+        assert pooled_eng._pool.compactions > 0, "the tail must have run in a smaller bucket"
     finally:
         pooled_eng.shutdown()
         alone_eng.shutdown()
@@ -236,3 +237,32 @@ def test_engine_on_a_shared_module_keeps_static_batches() -> None:
     finally:
         shared.shutdown()
         gen.shutdown()
+
+
+def test_compaction_keeps_every_rows_tokens() -> None:
+    """Rows that move to the front of the pool (with their caches and state) when the occupied slots fill at most
+    half of their bucket: the same tokens, log-probs and reasons as in a pool that never moves them."""
+    from relax_hpc.rollout.slots import RowSpec
+
+    model = tiny_model()
+    rng = np.random.default_rng(4)
+    specs = [RowSpec([int(t) for t in rng.integers(1, VOCAB, size=int(rng.integers(2, 8)))],
+                     int(rng.integers(2, 50)), [0.0, 1.0, 0.8][i % 3], 5 if i % 4 == 1 else 0,
+                     0.9 if i % 5 == 2 else 1.0, (VOCAB, 7), row_key(9, i), i, i) for i in range(14)]
+    results = []
+    for compact in (True, False):
+        pool = SlotPool(model, 8, length=64, pad_id=0)
+        pool.compact = compact
+        queue, done = list(specs), []
+        while queue or pool.active:
+            free = len(pool.free())
+            done += pool.admit(queue[:free])
+            queue = queue[free:]
+            done += pool.run()
+        results.append((sorted(done, key=lambda f: f.tag), pool.compactions))
+    (moved, n_moved), (kept, n_kept) = results
+    assert n_moved > 0 and n_kept == 0
+    for a, b in zip(moved, kept):
+        assert a.tag == b.tag and a.tokens.tolist() == b.tokens.tolist() and a.reason == b.reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+    assert {f.reason for f in moved} == {"stop", "length"}
