@@ -177,13 +177,12 @@ def shape_recipe(shape: str, cache: Path) -> Path:
     import torch
     import yaml
 
-    from relax_hpc.bench.step import model_folder, recipe
+    from relax_hpc.bench.step import model_folder, parse_args, recipe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     folder = model_folder(shape, cache, device)
-    ns = argparse.Namespace(shape=shape, warmup_steps=0, steps=1, attn="sdpa", gradient_checkpointing=False,
-                            prompts=16, samples=8, device=device, new_tokens=256, micro_batch_tokens=16384,
-                            checkpoint_every=1000, async_checkpoint=False, lengths="uniform")
+    # bench step's own defaults (16 x 8, 256 new tokens), so every field its recipe reads is set
+    ns = parse_args(["--shape", shape, "--device", device, "--warmup-steps", "0", "--steps", "1"])
     path = cache / f"generate-{shape}.yaml"
     path.write_text(yaml.safe_dump(recipe(folder, ns)))
     return path

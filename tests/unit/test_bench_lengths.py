@@ -109,3 +109,19 @@ def test_bench_step_bad_lengths_is_one_error_line() -> None:
     r = cli("bench", "step", "--device", "cpu", "--lengths", "file:/nonexistent/lengths.json", "--peers", "none",
             timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: --lengths") and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_bench_generate_on_a_bench_step_shape(tmp_path: Path) -> None:
+    """``--shape`` builds bench step's recipe (it lacked fields bench step's recipe reads, and failed) and, with a
+    length mix, runs static batches and the slot pool on the shape's random weights and the real Qwen vocabulary."""
+    r = cli("bench", "generate", "--shape", "qwen3-tiny", "--cache", str(tmp_path / "cache"), "--lengths",
+            "lognormal:mean=8,sigma=1.0,cap=32", "--batches", "2", "--warmup", "1", "--set", "rollout.batch_prompts=2",
+            "--set", "rollout.n_samples=2", "--json", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["recipe"].endswith("generate-qwen3-tiny.yaml") and res["batch"].startswith("2 prompts x 2 samples")
+    for d in ("auto", "slots"):
+        assert res[f"{d}_tokens_per_s"] > 0 and res[f"{d}_critical_path_tokens"] <= 32
+    # random weights almost never sample EOS: each response ends at its request's drawn length, for both decoders
+    assert res["auto_response_tokens_mean"] == res["slots_response_tokens_mean"]
