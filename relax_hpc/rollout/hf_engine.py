@@ -430,15 +430,22 @@ class HFEngine(RolloutEngine):
         return self._pool
 
     def _pool_call(self, rows: list[Any] | None, fn: Callable[[], list[Any]]) -> None:
-        """``fn`` (an admission of ``rows``, or a run of the pool) and the rows that ended. If it raises, the
-        requests in the pool and those of ``rows`` fail, the pool is rebuilt, and the engine goes on."""
+        """``fn`` (an admission of ``rows``, or a run of the pool) and the rows that ended. If an admission raises,
+        its requests fail (their rows leave the pool); if a run raises, every request in the pool fails and the pool
+        is rebuilt. The engine goes on either way."""
         try:
             finished = fn()
         except Exception as exc:
             log.exception("hf engine: the slot pool failed")
-            tags = [*(r.tag for r in rows or []), *(t for t in self._pool.tags if t is not None)]
-            self._pool = None
-            for job in {id(t[0].job): t[0].job for t in tags}.values():
+            pool = self._pool
+            if rows is not None:
+                jobs = {id(r.tag[0].job): r.tag[0].job for r in rows}
+                mine = [i for i, t in enumerate(pool.tags) if t is not None and id(t[0].job) in jobs]
+                pool.evict(mine)
+            else:
+                jobs = {id(t[0].job): t[0].job for t in pool.tags if t is not None}
+                self._pool = None
+            for job in jobs.values():
                 job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
                 with self._cond:
                     self._jobs.pop(job.request.request_id, None)

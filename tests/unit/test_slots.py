@@ -266,3 +266,31 @@ def test_compaction_keeps_every_rows_tokens() -> None:
         assert a.tag == b.tag and a.tokens.tolist() == b.tokens.tolist() and a.reason == b.reason
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
     assert {f.reason for f in moved} == {"stop", "length"}
+
+
+def test_a_request_that_fails_its_prefill_fails_alone() -> None:
+    """A prompt the model cannot read (a token id outside the vocabulary) fails its own request; the requests in the
+    pool beside it finish, and the engine serves the next ones."""
+    eng = engine(tiny_model())
+
+    async def go() -> tuple[GenerateResult, BaseException | None, GenerateResult]:
+        ok = asyncio.ensure_future(eng.generate(GenerateRequest("ok", [1, 2, 3], SamplingParams(max_new_tokens=60))))
+        await asyncio.sleep(0.2)
+        err: BaseException | None = None
+        try:
+            await asyncio.wait_for(eng.generate(GenerateRequest("bad", [1, VOCAB + 5], SamplingParams(
+                max_new_tokens=5))), 60)
+        except Exception as exc:
+            err = exc
+        after = await asyncio.wait_for(eng.generate(GenerateRequest("after", [2, 3], SamplingParams(
+            max_new_tokens=3))), 60)
+        return await asyncio.wait_for(ok, 60), err, after
+
+    try:
+        ok, err, after = asyncio.run(go())
+        healthy = asyncio.run(eng.health()).ok
+    finally:
+        eng.shutdown()
+    assert isinstance(err, IndexError), repr(err)
+    assert len(ok.samples[0].token_ids) == 60 and ok.samples[0].finish_reason == "length"
+    assert len(after.samples[0].token_ids) == 3 and healthy
