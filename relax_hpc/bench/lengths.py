@@ -154,9 +154,13 @@ class LengthMixEngine(RolloutEngine):
         self.inner, self.law = inner, law
         self.windows: list[dict[str, float]] = []
 
-    @property  # type: ignore[override]
+    @property
     def version(self) -> int:
         return self.inner.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.inner.version = value
 
     def __getattr__(self, name: str) -> Any:  # the wrapped engine's own attributes (shared, threaded, ...)
         if name in ("inner", "law", "windows"):

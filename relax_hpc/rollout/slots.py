@@ -164,6 +164,13 @@ class _Variant:
 class SlotPool:
     """The static decode state of ``slots`` rows of one model (see the module docstring)."""
 
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    hist_tok: torch.Tensor
+    hist_lp: torch.Tensor
+    hist_ver: torch.Tensor
+    stops: torch.Tensor
+
     def __init__(self, model: Any, slots: int, *, length: int, pad_id: int, use_graphs: bool | None = None,
                  check_every: int | None = None, compiled: bool = False, occupancy: Occupancy | None = None):
         import sys
