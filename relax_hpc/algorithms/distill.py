@@ -26,6 +26,7 @@ from torch import Tensor
 from relax_hpc.algorithms.base import LossInputs
 from relax_hpc.algorithms.common import group_advantages, token_mean
 from relax_hpc.algorithms.grpo import GRPO
+from relax_hpc.config.algorithm import DistillAlgorithmConfig, own_options
 
 if TYPE_CHECKING:
     from relax_hpc.config.schema import AlgorithmConfig
@@ -41,14 +42,15 @@ class Distill(GRPO):
     def sequence_advantages(self, rewards: np.ndarray, group_ids: np.ndarray, cfg: AlgorithmConfig) -> np.ndarray:
         """[N] float32 ``distill.reward_coef`` times the group advantage (zeros when the coefficient is 0)."""
         adv = group_advantages(rewards, group_ids, std_normalize=cfg.std_normalize)
-        return (cfg.distill.reward_coef * adv).astype(np.float32)
+        return (own_options(cfg, DistillAlgorithmConfig).distill.reward_coef * adv).astype(np.float32)
 
     def loss(self, x: LossInputs, cfg: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
         """GRPO's loss on ``x.advantages - coef * (old_logp - teacher_logp)``; adds ``train/distill_reverse_kl``."""
         if x.teacher_logprobs is None:
             raise ValueError("algorithm 'distill' needs teacher_logprobs; the trainer passed none")
         reverse_kl = (x.old_logprobs - x.teacher_logprobs).detach()
-        loss, metrics = self.clipped_loss(x, cfg, x.advantages - cfg.distill.coef * reverse_kl)
+        coef = own_options(cfg, DistillAlgorithmConfig).distill.coef
+        loss, metrics = self.clipped_loss(x, cfg, x.advantages - coef * reverse_kl)
         metrics[REVERSE_KL] = token_mean(reverse_kl, x)
         return loss, metrics
 

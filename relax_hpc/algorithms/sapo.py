@@ -27,6 +27,7 @@ from torch import Tensor
 from relax_hpc.algorithms.base import PG_CLIPFRAC, PPO_KL, LossInputs
 from relax_hpc.algorithms.common import finish_loss, log_ratio, sample_weights, token_mean, token_tis
 from relax_hpc.algorithms.grpo import GRPO
+from relax_hpc.config.algorithm import SAPOConfig, own_options
 
 if TYPE_CHECKING:
     from relax_hpc.config.schema import AlgorithmConfig
@@ -54,9 +55,10 @@ class SAPO(GRPO):
         """Soft-gated surrogate plus the KL and entropy terms (module docstring)."""
         lr = log_ratio(x)  # masked before the exponential
         ratio = torch.exp(lr)
-        pg = -soft_gate(ratio, x.advantages, cfg.sapo_tau_pos, cfg.sapo_tau_neg) * x.advantages
+        opts = own_options(cfg, SAPOConfig)  # the gate temperatures exist for algorithm.name: sapo only
+        pg = -soft_gate(ratio, x.advantages, opts.sapo_tau_pos, opts.sapo_tau_neg) * x.advantages
         with torch.no_grad():
-            tau = gate_temperature(ratio, x.advantages, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+            tau = gate_temperature(ratio, x.advantages, opts.sapo_tau_pos, opts.sapo_tau_neg)
             p = torch.sigmoid(tau * (ratio.detach() - 1.0))
             gate_weight = 4.0 * p * (1.0 - p)
         tis, metrics = token_tis(x, cfg.tis_cap)

@@ -567,15 +567,15 @@ def train_throughput(run: ModeRun, num_steps: int, *, params: int | None, peak_t
 
     cfg = load_run_config(run.run_dir)
     ranks = cfg.trainer.num_ranks
-    meg = cfg.trainer.megatron
-    replicas = ranks // (meg.tp * meg.pp) if cfg.trainer.backend == "megatron" else ranks
+    meg = cfg.trainer.megatron if cfg.trainer.backend == "megatron" else None  # the torch variant has no layout
+    replicas = ranks // (meg.tp * meg.pp) if meg is not None else ranks
     w = timed_window(run, num_steps)
     rates = [metric_value(r["metrics"], "train/tokens") * replicas / metric_value(r["metrics"], "perf/train_time")
              for r in w.steps if metric_value(r["metrics"], "perf/train_time") > 0]
     tps = statistics.median(rates) if rates else float("nan")
     mfu = 6 * params * tps / (peak_tflops * 1e12 * ranks) if params else None
     return {"tokens_per_s": tps, "mfu": mfu, "trainer_ranks": ranks, "replicas": replicas,
-            "backend": cfg.trainer.backend, "tp": meg.tp if cfg.trainer.backend == "megatron" else 1}
+            "backend": cfg.trainer.backend, "tp": meg.tp if meg is not None else 1}
 
 
 def gpu_busy(sampler: GpuSampler, runs: dict[str, ModeRun], num_steps: int,

@@ -25,8 +25,10 @@ def run(args: argparse.Namespace) -> int:
     from relax_hpc.launch.sbatch import render_run
     from relax_hpc.launch.slurm_time import time_limit_warnings
     from relax_hpc.rundir import RunDir
+    from relax_hpc.trainer.checks import check_trainer
 
     cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
+    check_trainer(cfg)
     rd = RunDir(args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     scripts = render_run(rd, cfg)
     for i, s in enumerate(scripts):

@@ -75,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
     from relax_hpc.config.load import load_recipe
 
     cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
-    from relax_hpc.config.checks import check_backends
+    from relax_hpc.trainer.checks import check_trainer
 
-    check_backends(cfg)
+    check_trainer(cfg)
     executor = pick_executor(args.executor or cfg.launch.executor)
     from relax_hpc.config.preflight import preflight, start_warnings
 

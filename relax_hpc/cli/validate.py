@@ -20,8 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from relax_hpc.config.load import config_to_json, load_recipe
+    from relax_hpc.trainer.checks import check_trainer
 
     cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
+    check_trainer(cfg)  # the backend's own checks (megatron: the layout against the model)
     if not args.no_preflight:
         from relax_hpc.config.preflight import preflight, start_warnings
 

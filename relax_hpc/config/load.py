@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import copy
+import logging
 import stat
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from relax_hpc.config.base import Variants, union_points, variants_of
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.config.yamlsafe import MAX_RECIPE_BYTES, decode_recipe, load_yaml_text
 from relax_hpc.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -47,18 +51,42 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def _fields_of(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
-    """Valid keys of the section at ``loc`` (for 'unknown key' messages)."""
+    """Valid keys of the section at ``loc`` (pydantic's, with variant tags) for 'unknown key' messages."""
     cls: Any = model
-    for part in loc:
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
             return None
-        ann = cls.model_fields[part].annotation
+        f = cls.model_fields[part]
+        variants = variants_of(f.annotation, f.metadata)
+        if variants is not None:
+            cls = variants.models.get(parts.pop(0)) if parts else None
+            continue
+        ann = f.annotation
         args = getattr(ann, "__args__", ())
         sub = [a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)]
         cls = sub[0] if sub else None
     if isinstance(cls, type) and issubclass(cls, BaseModel):
         return sorted(cls.model_fields)
     return None
+
+
+def _plain_loc(loc: tuple[Any, ...], points: dict[tuple[str, ...], Variants]
+               ) -> tuple[tuple[Any, ...], Variants | None]:
+    """``loc`` without its variant tags (``trainer.torch.megatron`` -> ``trainer.megatron``), and the variants of
+    the section holding its last key (None where that section has none)."""
+    out: list[Any] = []
+    holder = None
+    i = 0
+    while i < len(loc):
+        out.append(loc[i])
+        i += 1
+        v = points.get(tuple(out))
+        if v is not None and i < len(loc) and loc[i] in v.models:
+            i += 1  # the tag pydantic puts after a union
+            holder = v if i == len(loc) - 1 else None
+    return tuple(out), holder
 
 
 ECHO_CAP = 200
@@ -84,20 +112,55 @@ def reprlib_repr(value: Any) -> str:
     return r.repr(value)
 
 
-def format_validation_error(exc: ValidationError, model: type[BaseModel] = RecipeConfig) -> list[str]:
-    """One line per problem: ``algorithm.lr: Input should be greater than 0 (got -1)``."""
+def _variant_problem(err: Any, where: str, variants: Variants, section: Any) -> str | None:
+    """The line for a key of a variant that is not selected (``trainer.megatron`` with ``backend: torch``)."""
+    key = str(err["loc"][-1])
+    owners = variants.owners(key)
+    if err["type"] != "extra_forbidden" or not owners:
+        return None
+    base = where.rpartition(".")[0]
+    chosen = variants.selected(section) if isinstance(section, dict) else variants.default
+    return (f"{where}: only for {base}.{variants.key}: {' or '.join(owners)} (this recipe has {base}.{variants.key}: "
+            f"{short_repr(chosen) if not isinstance(chosen, str) else chosen})")
+
+
+def _section_at(data: Any, loc: tuple[Any, ...]) -> Any:
+    """The input mapping at ``loc`` (plain keys), or None."""
+    node = data
+    for part in loc:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel] = RecipeConfig,
+                            data: Any = None) -> list[str]:
+    """One line per problem: ``algorithm.lr: Input should be greater than 0 (got -1)``. ``data``: the validated
+    input (names the selected variant when a key belongs to another)."""
+    points = union_points(model)
     lines = []
     for err in exc.errors():
-        loc = tuple(err["loc"])
+        loc, holder = _plain_loc(tuple(err["loc"]), points)
         where = ".".join(str(p) for p in loc) or "(recipe)"
+        if err["type"] == "union_tag_invalid" and loc in points:
+            v = points[loc]
+            lines.append(f"{where}.{v.key}: Input should be {v.choices()} "
+                         f"(got {short_repr(v.selected(err.get('input')))})")
+            continue
+        if holder is not None:
+            line = _variant_problem(err, where, holder, _section_at(data, loc[:-1]))
+            if line is not None:
+                lines.append(line)
+                continue
         if err["type"] == "extra_forbidden":
-            valid = _fields_of(model, loc[:-1])
+            valid = _fields_of(model, tuple(err["loc"])[:-1])
             hint = f"; valid keys: {', '.join(valid)}" if valid else ""
             lines.append(f"{where}: unknown key{hint}")
             continue
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
+        if err["type"] == "model_type":
+            msg = msg.partition(" or instance of ")[0]  # the class name is no key a user can write
         got = err.get("input")
         echoed = str(got)[:20] in msg  # the validator's message already shows the value
         suffix = (f" (got {short_repr(got)})" if err["type"] not in ("missing",) and not isinstance(got, dict)
@@ -113,7 +176,24 @@ def validate_dict(data: dict[str, Any]) -> RecipeConfig:
     try:
         return RecipeConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, data=data)) from None
+
+
+def validate_resolved(data: dict[str, Any]) -> RecipeConfig:
+    """Validate a run dir's resolved config (``config.json``, written by :func:`config_to_json`). Versions before the
+    variant sections wrote every variant's keys (``trainer.megatron`` of a torch run), which that run ignored; they
+    are dropped here, so such run dirs resume with the settings they ran with. A key no variant has stays an
+    error."""
+    if isinstance(data, dict):
+        data = copy.deepcopy(data)
+        for loc, variants in union_points(RecipeConfig).items():
+            section = _section_at(data, loc)
+            model = variants.models.get(variants.tag_of(section)) if isinstance(section, dict) else None
+            if model is None:
+                continue
+            for key in [k for k in section if k not in model.model_fields and variants.owners(k)]:
+                del section[key]
+    return validate_dict(data)
 
 
 def read_recipe_file(path: Path | str) -> dict[str, Any]:
@@ -150,9 +230,42 @@ def read_recipe_file(path: Path | str) -> dict[str, Any]:
     return data
 
 
+def drop_replaced_variants(recipe: dict[str, Any], merged: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Where an override selects another variant (``--set trainer.backend=torch`` on a megatron recipe), remove from
+    ``merged`` the recipe file's keys that only the replaced variant has (``trainer.megatron``); keys the overrides
+    set themselves stay, and are errors if the selected variant lacks them. The variant is chosen on the merged
+    mapping, so ``--set trainer.backend=megatron --set trainer.megatron.tp=2`` works in either order. Returns one
+    line per removed key (the caller warns)."""
+    set_paths = [tuple(parse_override(o)[0]) for o in overrides]
+    notes = []
+    for loc, variants in union_points(RecipeConfig).items():
+        before, after = _section_at(recipe, loc), _section_at(merged, loc)
+        if not isinstance(before, dict) or not isinstance(after, dict):
+            continue
+        old, new = variants.tag_of(before), variants.tag_of(after)
+        model = variants.models.get(new)
+        if old == new or model is None:
+            continue
+        for key in [k for k in after if k in before and k not in model.model_fields]:
+            path = (*loc, key)
+            if any(p[:len(path)] == path or path[:len(p)] == p for p in set_paths):
+                continue  # given on the command line: validated (and refused) as such
+            del after[key]
+            where = ".".join(loc)
+            notes.append(f"{where}.{key} of the recipe dropped: only for {where}.{variants.key}: "
+                         f"{' or '.join(variants.owners(key))}, which the overrides replaced by "
+                         f"{variants.selected(after)}")
+    return notes
+
+
 def load_recipe(path: Path | str, overrides: list[str] | None = None) -> RecipeConfig:
-    """Recipe file + overrides -> validated config. Raises :class:`ConfigError` (one line per problem)."""
-    data = apply_overrides(read_recipe_file(path), overrides or [])
+    """Recipe file + overrides -> validated config. Raises :class:`ConfigError` (one line per problem). An override
+    that selects another variant drops the file's keys of the replaced one, with a warning
+    (:func:`drop_replaced_variants`)."""
+    recipe = read_recipe_file(path)
+    data = apply_overrides(recipe, overrides or [])
+    for note in drop_replaced_variants(recipe, data, overrides or []):
+        log.warning(note)
     return validate_dict(data)
 
 

@@ -15,7 +15,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.config.schema import DataConfig, ModelConfig, RecipeConfig
+from relax_hpc.config.schema import DataConfig, DistillAlgorithmConfig, ModelConfig, RecipeConfig
 from relax_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -152,11 +152,11 @@ def preflight(cfg: RecipeConfig, *, executor: str) -> None:
     """Every check above, in order of cost. Raises :class:`UserError` (one line) on the first problem."""
     check_devices(cfg, resolve_executor(executor))
     check_model_folder(cfg.model.path, "model.path")
-    teacher = cfg.algorithm.distill.teacher
-    if cfg.algorithm.name == "distill" and not teacher:
-        raise UserError("algorithm.name is distill but algorithm.distill.teacher is not set (a model path, or "
-                        "`tiny` for a tiny teacher)")
-    if cfg.algorithm.name == "distill" and teacher:
+    if isinstance(cfg.algorithm, DistillAlgorithmConfig):
+        teacher = cfg.algorithm.distill.teacher
+        if not teacher:
+            raise UserError("algorithm.name is distill but algorithm.distill.teacher is not set (a model path, or "
+                            "`tiny` for a tiny teacher)")
         check_model_folder(teacher, "algorithm.distill.teacher")
     builtin = cfg.model.path == "tiny" and not cfg.model.tokenizer
     tokenizer = None if builtin and cfg.data.path is None else check_tokenizer(cfg.model)
@@ -186,7 +186,7 @@ def start_warnings(cfg: RecipeConfig) -> list[str]:
     if cfg.rollout.n_samples == 1 and a.name in GROUP_ALGORITHMS:
         out.append(f"rollout.n_samples is 1: {a.name}'s group advantage is 0 for every sample, so nothing is "
                    "learned; use n_samples >= 2")
-    if a.name == "distill" and a.distill.coef == 0 and a.distill.reward_coef == 0:
+    if isinstance(a, DistillAlgorithmConfig) and a.distill.coef == 0 and a.distill.reward_coef == 0:
         out.append("algorithm.distill.coef and reward_coef are both 0: every advantage is 0")
     context = _context_length(cfg.model)
     task = cfg.data.task if cfg.data.path is None else None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.config.load import validate_dict
+from relax_hpc.config.load import validate_resolved
 from relax_hpc.errors import UserError
 from relax_hpc.fsio import read_json
 from relax_hpc.launch import slurm_cli
@@ -81,7 +81,7 @@ def scale_rollout(run_dir: RunDir | Path | str, target: int, *, wait: bool = Tru
         if rec.get("placement") != "separate":
             raise UserError("the rollout het group of a hetjob run is fixed at submission; adding workers needs "
                             "launch.placement: separate (resubmit with --set launch.placement=separate)")
-        cfg = validate_dict(read_json(rd.config))
+        cfg = validate_resolved(read_json(rd.config))
         first = max(workers, default=-1) + 1
         ranks = list(range(first, first + target - len(active)))
         entries = submit_scripts(rd, [render_rollout_array(rd, cfg, ranks, python=python)])

@@ -29,6 +29,7 @@ from relax_hpc.launch import slurm_cli
 from relax_hpc.launch.sbatch import default_pythonpath, render_sweep, sweep_mode_problem
 from relax_hpc.roles import spec as roles
 from relax_hpc.rundir import RunDir, SweepDir, proc_name
+from relax_hpc.trainer.checks import check_trainer
 
 
 # ------------------------------------------------------------------------------------------------ the grid
@@ -84,8 +85,10 @@ def prepare(recipe: Path | str, grid_items: Sequence[str], sweep_dir: Path | str
     for i, combo in enumerate(combos):
         try:
             cfgs.append(load_recipe(recipe, [*overrides, *combo]))
-        except ConfigError as exc:
-            raise UserError(f"combination {i} ({' '.join(combo)}): {'; '.join(exc.problems)}") from None
+            check_trainer(cfgs[-1])
+        except UserError as exc:
+            problems = exc.problems if isinstance(exc, ConfigError) else [str(exc)]
+            raise UserError(f"combination {i} ({' '.join(combo)}): {'; '.join(problems)}") from None
         runs.append({"index": i, "label": label(combo), "overrides": combo,
                      "run_dir": str(sd.run(i, label(combo)))})
     problem = sweep_mode_problem(cfgs[0]) if executor == "slurm" else None

@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any, Literal
 
-from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.config.schema import RecipeConfig, ServerRolloutBase
 from relax_hpc.events import EventLog, Heartbeat
 from relax_hpc.fsio import read_json, wait_for
 from relax_hpc.health import RunHealth
@@ -112,6 +112,7 @@ class RolloutWorker:
         fast: Any = None  # a ServerFastPath or a FastPathStream: fetch(have), close(), and the stream itself
         template = self.engine.weight_template()
         if server_fast_path(cfg):  # trainer rank 0 broadcasts into this worker's server
+            assert isinstance(cfg.rollout, ServerRolloutBase)  # server_fast_path: the sglang engine
             from relax_hpc.rollout.server.fastpath import ServerFastPath
 
             fast = ServerFastPath(self.run_dir, self.rank, timeout_s=min(30.0, cfg.rollout.server.sync_timeout_s))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.config.schema import RecipeConfig, ServerRolloutBase
 from relax_hpc.fsio import wait_for
 from relax_hpc.rundir import RunDir
 
@@ -94,6 +94,7 @@ class AsyncTrainer:
         # every rank: with several trainer ranks gathering the whole model is a collective (FSDP2, megatron TP)
         sd = self.trainer.full_state_dict() if server_fast_path(cfg) or hf_fast else {}
         if rank == 0 and server_fast_path(cfg):
+            assert isinstance(cfg.rollout, ServerRolloutBase)  # server_fast_path: the sglang engine
             from relax_hpc.weights.server_links import ServerLinks
 
             cuda = str(self.r.policy.device).startswith("cuda")

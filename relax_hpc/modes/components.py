@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from relax_hpc.config.checks import check_backends
-from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.config.schema import DistillAlgorithmConfig, RecipeConfig
+from relax_hpc.trainer.checks import check_backends
 
 __all__ = ["check_backends"]
 
@@ -71,8 +71,8 @@ def build_aux_models(cfg: RecipeConfig, policy: Policy) -> tuple[Any, Any]:
     ref = teacher = None
     if cfg.algorithm.kl_coef > 0:
         ref = copy.deepcopy(policy.model).eval().requires_grad_(False)
-    d = cfg.algorithm.distill
-    if cfg.algorithm.name == "distill":
+    if isinstance(cfg.algorithm, DistillAlgorithmConfig):  # the only variant with a teacher
+        d = cfg.algorithm.distill
         if not d.teacher:
             from relax_hpc.errors import ConfigError
 

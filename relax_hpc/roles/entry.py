@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def load_run_config(run_dir: RunDir):  # -> RecipeConfig
-    from relax_hpc.config.load import validate_dict
+    from relax_hpc.config.load import validate_resolved
     from relax_hpc.errors import RunDirError
     from relax_hpc.fsio import read_json
 
@@ -27,7 +27,7 @@ def load_run_config(run_dir: RunDir):  # -> RecipeConfig
         data = read_json(run_dir.config, expect=dict)
     except FileNotFoundError:
         raise RunDirError(f"{run_dir.config} is missing: was the run submitted with `relax-hpc submit`?") from None
-    return validate_dict(data)
+    return validate_resolved(data)
 
 
 def _log_to_file(run_dir: RunDir, proc: str) -> None:

@@ -858,6 +858,6 @@ def from_config(cfg: Any, *, device: str | None, seed: int, tokenizer: Any, mode
     # slots full as requests arrive; the trainer's shared engine (colocate) decodes each step's batch at once
     slots = 0 if shared else r.batch_prompts * r.n_samples
     return HFEngine(model, tokenizer, r.sampling, device=dev, batch_prompts=r.batch_prompts, seed=seed,
-                    decoder=r.hf_decoder, shared=shared, threaded=not shared, slots=slots,
-                    slot_length=cfg.data.max_prompt_tokens + r.sampling.max_new_tokens)
+                    decoder=r.hf_decoder if r.engine == "hf" else "auto", shared=shared, threaded=not shared,
+                    slots=slots, slot_length=cfg.data.max_prompt_tokens + r.sampling.max_new_tokens)
 

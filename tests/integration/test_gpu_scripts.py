@@ -1,44 +1,114 @@
-"""tools/gpu/x2.sh and x8.sh (the multi-GPU runs of issues 17 and 18) in their dry-run mode: on this CPU machine,
-tiny shapes, ``--device cpu`` (gloo where the GPU runs use NCCL), the same command lines, one JSON line of figures
-per run. What this checks is that the commands parse and the figures come out, not any figure."""
+"""tools/gpu/suite.sh, the one entry point of the GPU runs, on this CPU machine: bad targets and arguments are refused
+with one error line, its help and tools/gpu/README.md name the same targets, and its DRY_RUN=1 mode runs the same
+command lines at tiny shapes with ``--device cpu`` (gloo where the GPU runs use NCCL). What the dry runs check is that
+the commands parse, the tests they name exist and the figures come out, not any figure."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+SUITE = REPO / "tools" / "gpu" / "suite.sh"
+TARGETS = ["env", "tests", "step-0.6b", "step-4b", "megatron", "multi-gpu", "pipeline", "generate",
+           "decode-attention", "carry"]
 
 
-def _script(name: str, *args: str, out: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def suite(*args: str, out: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "SCRATCH": str(out.parent / "scratch"),
            "PYTHONPATH": str(REPO)}
-    return subprocess.run(["bash", str(REPO / "tools" / "gpu" / name), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(["bash", str(SUITE), *args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
 
 
-def test_scripts_refuse_bad_arguments(tmp_path):
-    r = _script("x2.sh", "p5", out=tmp_path / "a")
-    assert r.returncode == 2 and "unknown part p5" in r.stderr
-    r = _script("x8.sh", "x3", out=tmp_path / "b")
-    assert r.returncode == 2 and "x8 or x4" in r.stderr
-    r = _script("x8.sh", "x4", "3", out=tmp_path / "c")
-    assert r.returncode == 2 and "give 1 or 2" in r.stderr
-    r = subprocess.run(["python3", str(REPO / "tools" / "gpu" / "figures.py"), "gone", str(tmp_path / "none.json")],
-                       capture_output=True, text=True, timeout=60)
+def test_tools_gpu_holds_one_entry_point_and_no_numbered_scripts() -> None:
+    names = sorted(p.name for p in (REPO / "tools" / "gpu").iterdir() if p.is_file())
+    assert [n for n in names if n.endswith(".sh")] == ["suite.sh"]
+    assert not [n for n in names if re.search(r"\d\.(sh|py)$", n)], names
+
+
+def test_help_and_readme_name_every_target(tmp_path) -> None:
+    r = suite("--help", out=tmp_path / "o")
+    assert r.returncode == 0 and r.stderr == ""
+    readme = (REPO / "tools" / "gpu" / "README.md").read_text()
+    for t in TARGETS:
+        assert re.search(rf"^\s+{re.escape(t)}\b", r.stdout, re.M), t
+        assert f"`{t}" in readme, t
+    r = suite(out=tmp_path / "o")  # no target: the usage on stderr, exit 2
+    assert r.returncode == 2 and "TARGET" in r.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["bogus"], "unknown target 'bogus'"),
+    (["step-0.6b", "eager", "fast"], "step-0.6b: unknown variant fast"),
+    (["step-4b", "peers"], "step-4b: unknown variant peers"),
+    (["megatron", "bench"], "megatron: unknown part bench"),
+    (["multi-gpu"], "multi-gpu: give x2, x4 or x8"),
+    (["multi-gpu", "x2", "p5"], "unknown part p5"),
+    (["multi-gpu", "x3"], "not 'x3'"),
+    (["multi-gpu", "x4", "3"], "give 1 or 2"),
+    (["carry", "plan", "--out", "/nonexistent/carry"], "no manifest"),
+])
+def test_bad_targets_and_arguments_get_one_error_line(tmp_path, args, message) -> None:
+    r = suite(*args, out=tmp_path / "o")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o" / "err.log").exists()
+
+
+def test_figures_of_a_missing_result_and_of_parity_ranks(tmp_path) -> None:
+    fig = REPO / "tools" / "gpu" / "figures.py"
+    r = subprocess.run(["python3", str(fig), "gone", str(tmp_path / "none.json")], capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 1 and json.loads(r.stdout)["run"] == "gone" and "error" in json.loads(r.stdout)
+    for rank, logits in enumerate((1e-6, 3e-6)):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"logits": logits, "grads": 2e-5, "tp_size": 2,
+                                                               "dp_size": 1, "loss_megatron": 0.5,
+                                                               "loss_torch": 0.5}))
+    r = subprocess.run(["python3", str(fig), "--parity", "megatron-parity-tied", str(tmp_path), "0"],
+                       capture_output=True, text=True, timeout=60)
+    line = json.loads(r.stdout)
+    assert r.returncode == 0 and line["ranks"] == 2 and line["max_logits"] == 3e-6 and line["max_entropy"] is None
+    assert line["tp_size"] == 2 and line["rc"] == 0
+
+
+@pytest.mark.slow
+def test_tests_target_dry_run_collects_the_gpu_tests(tmp_path) -> None:
+    out = tmp_path / "out"
+    r = suite("tests", out=out, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = (out / "gpu-tests.txt").read_text()
+    count = re.search(r"(\d+)/\d+ tests collected", text)
+    assert count and int(count.group(1)) >= 20 and "error" not in text.lower(), text[-2000:]
+    assert "test_graph_decode.py" in text and "megatron" not in text
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_x2_dry_run_prints_the_figures(tmp_path):
+def test_megatron_dry_run_collects_its_gpu_tests_and_runs_bench_trainer(tmp_path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is an optional extra")
     out = tmp_path / "out"
-    r = _script("x2.sh", "p06", out=out, timeout=600)
+    r = suite("megatron", "tests", "trainer", out=out, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = (out / "megatron-gpu-tests.txt").read_text()
+    count = re.search(r"(\d+)/\d+ tests collected", text)
+    assert count and int(count.group(1)) >= 5, text[-2000:]
+    assert "test_distributed_optimizer_in_bfloat16" in text and "tied-cuda-shared" in text
+    for part in ("trainer-megatron-qwen3-0.6b", "trainer-megatron-qwen3-4b"):
+        fig = json.loads((out / f"{part}.json").read_text())
+        assert fig["device"] == "cpu" and fig["tokens_per_s"] > 0, part
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_multi_gpu_x2_dry_run_prints_the_figures(tmp_path) -> None:
+    out = tmp_path / "out"
+    r = suite("multi-gpu", "x2", "p06", out=out, timeout=600)
     assert r.returncode == 0, (out / "err.log").read_text()[-3000:] if (out / "err.log").exists() else r.stderr
     lines = [json.loads(x) for x in (out / "figures.jsonl").read_text().splitlines()]
     assert lines[0] == {"run": "x2-qwen3-0.6b", "rc": 0}
@@ -59,29 +129,3 @@ def test_x2_dry_run_prints_the_figures(tmp_path):
     raw = json.loads((out / "x2-qwen3-0.6b.json").read_text())
     assert "weights.fast_path=gloo" not in raw["overrides"]  # two GPUs: auto, which is NCCL there
     assert "files_run" in raw["handover"] and raw["params"] > 0
-
-
-SLOW = [pytest.mark.integration, pytest.mark.slow]
-MEGATRON_GPU_TESTS = {"meg6.sh": 5, "meg5.sh": 5, "meg8.sh": 6}
-"""How many gpu tests each script names (test_megatron_gpu.py's four, the shared-GPU TP case; meg8 the GPU colocate
-demo too)."""
-
-
-@pytest.mark.parametrize("name", ["meg6.sh", pytest.param("meg5.sh", marks=SLOW), pytest.param("meg8.sh", marks=SLOW)])
-def test_megatron_gpu_scripts_dry_run(tmp_path, name):
-    """tools/gpu/meg5.sh / meg6.sh / meg8.sh (issue 16) with DRY_RUN=1: the gpu tests they name are collected (the
-    node ids are not stale), and their bench trainer commands run at a tiny shape and give their JSON."""
-    import re
-
-    pytest.importorskip("megatron.core", reason="megatron-core is an optional extra")
-    out = tmp_path / "out"
-    r = _script(name, out=out, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    collected = (out / "gpu-tests.txt").read_text()
-    count = re.search(r"(\d+) tests? collected", collected)
-    assert count and int(count.group(1)) == MEGATRON_GPU_TESTS[name], collected
-    assert "test_distributed_optimizer_in_bfloat16" in collected and "tied-cuda-shared" in collected, collected
-    if name in ("meg5.sh", "meg8.sh"):
-        for part in ("trainer06b", "trainer4b"):
-            fig = json.loads((out / f"{part}.json").read_text())
-            assert fig, part

@@ -23,7 +23,7 @@ from relax_hpc.algorithms.common import (
 )
 from relax_hpc.algorithms.grpo import ALGORITHM as GRPO
 from relax_hpc.algorithms.sapo import soft_gate
-from relax_hpc.config.schema import AlgorithmConfig, OverlongConfig
+from relax_hpc.config.schema import GRPOConfig, OverlongConfig
 
 # Four groups with non-contiguous, interleaved labels: 7 -> [1, 0, 1, 0], 3 -> [0.1] * 3, 9 -> [5] (alone),
 # 1 -> [0, 1, 0, 0].
@@ -88,13 +88,13 @@ def test_step_advantages_applies_overlong_then_dynamic_sampling() -> None:
     rewards = np.array([1.0, 1.0, 0.0, 0.0])
     groups = np.array([0, 0, 1, 1])
     lengths = np.array([10, 95, 3, 4])
-    cfg = AlgorithmConfig(dynamic_sampling=True, overlong=OverlongConfig(enabled=True, buffer_tokens=10, penalty=1.0))
+    cfg = GRPOConfig(dynamic_sampling=True, overlong=OverlongConfig(enabled=True, buffer_tokens=10, penalty=1.0))
     adv, keep = step_advantages(GRPO, rewards, groups, lengths, cfg=cfg, max_new_tokens=100)
     assert keep.tolist() == [True, True, False, False]
     s = 0.25 / (0.25 + 1e-6)
     np.testing.assert_allclose(adv, [s, -s, 0.0, 0.0], rtol=1e-6)
     # without the options: nothing dropped, no penalty -> all advantages 0
-    adv, keep = step_advantages(GRPO, rewards, groups, lengths, cfg=AlgorithmConfig(), max_new_tokens=100)
+    adv, keep = step_advantages(GRPO, rewards, groups, lengths, cfg=GRPOConfig(), max_new_tokens=100)
     assert keep.all()
     assert np.all(adv == 0.0)
 

@@ -26,7 +26,7 @@ from relax_hpc.algorithms.base import (
     concat_inputs,
 )
 from relax_hpc.algorithms.registry import get_algorithm
-from relax_hpc.config.schema import AlgorithmConfig, DistillConfig
+from relax_hpc.config.schema import AlgorithmConfig, DistillConfig, algorithm_config
 
 MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 ALGOS = ["grpo", "gspo", "sapo", "distill"]
@@ -54,12 +54,13 @@ def make_cfg(algo: str, mode: str, **kw: object) -> AlgorithmConfig:
         kl_type="k3",
         entropy_coef=0.01,
         tis_cap=2.0,
-        distill=DistillConfig(coef=0.5),
     )
+    if algo == "distill":  # the distill section exists only for distill
+        base.update(distill=DistillConfig(coef=0.5))
     if algo == "gspo":
         base.update(clip_low=0.1, clip_high=0.1)  # sequence ratios here lie in 0.86 .. 1.49
     base.update(kw)
-    return AlgorithmConfig(**base)
+    return algorithm_config(**base)
 
 
 @dataclass

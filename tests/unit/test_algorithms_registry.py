@@ -15,7 +15,7 @@ import torch
 
 from relax_hpc.algorithms.base import PG_LOSS, Algorithm, LossInputs
 from relax_hpc.algorithms.registry import BUILTIN, check_algorithm_name, get_algorithm
-from relax_hpc.config.schema import AlgorithmConfig
+from relax_hpc.config.schema import algorithm_config
 from relax_hpc.errors import ConfigError
 
 
@@ -25,7 +25,7 @@ def test_builtin_names_resolve(name: str) -> None:
     algorithm = get_algorithm(name)
     assert isinstance(algorithm, Algorithm)
     assert algorithm.name == name
-    assert AlgorithmConfig(name=name).name == name
+    assert algorithm_config(name=name).name == name
 
 
 def test_builtin_set() -> None:
@@ -46,7 +46,7 @@ def test_unknown_name_lists_valid_ones(name: str) -> None:
     with pytest.raises(ValueError, match=r"registered: distill, grpo, gspo, sapo \(or module:attr\)"):
         check_algorithm_name(name)
     with pytest.raises(pydantic.ValidationError, match="distill, grpo, gspo, sapo"):
-        AlgorithmConfig(name=name)
+        algorithm_config(name=name)
     with pytest.raises(ConfigError, match="unknown algorithm"):
         get_algorithm(name)
 
@@ -86,7 +86,7 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
 
 
 def test_user_algorithm_works(user_module: str) -> None:
-    cfg = AlgorithmConfig(name=f"{user_module}:ALGO")
+    cfg = algorithm_config(name=f"{user_module}:ALGO")
     algorithm = get_algorithm(cfg.name)
     assert algorithm.name == "reinforce"
     adv = algorithm.sequence_advantages(np.array([1.0, 3.0]), np.array([0, 0]), cfg)
@@ -122,6 +122,6 @@ def test_bad_user_algorithms_are_config_problems(user_module: str) -> None:
     with pytest.raises(ValueError, match="unknown algorithm"):
         check_algorithm_name(f"{user_module}:")
     with pytest.raises(pydantic.ValidationError, match="cannot import algorithm"):
-        AlgorithmConfig(name=f"{user_module}:MISSING")
+        algorithm_config(name=f"{user_module}:MISSING")
     with pytest.raises(ConfigError, match="has no"):
         get_algorithm(f"{user_module}:NOT_AN_ALGORITHM")

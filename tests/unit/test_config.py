@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.cli import main
-from relax_hpc.config.load import apply_overrides, load_recipe, parse_override
+from relax_hpc.config.load import apply_overrides, config_to_json, load_recipe, parse_override, validate_dict
 from relax_hpc.errors import ConfigError
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
@@ -23,6 +23,7 @@ def test_recipes_exist() -> None:
 def test_every_shipped_recipe_validates(path: Path) -> None:
     cfg = load_recipe(path)
     assert cfg.num_steps >= 1
+    assert validate_dict(config_to_json(cfg)) == cfg  # the resolved config (the run dir's config.json) round-trips
     # the recipe itself; the GPU recipes' data and hub models are fetched by the user, so no preflight here
     assert main(["validate", "--no-preflight", "--executor", "slurm", str(path)]) == 0
     if path.name == "demo.yaml":

@@ -1,6 +1,9 @@
-"""One JSON line with the figures issues 17 and 18 ask for, from one ``relax-hpc bench pipeline --json`` result.
+"""One JSON line of headline figures, from one ``relax-hpc bench pipeline --json`` result or from the rank files of
+the megatron parity worker (tests' ``megatron_tp_worker.py``). ``tools/gpu/suite.sh multi-gpu`` appends them to
+``$OUT/figures.jsonl``::
 
-    python3 tools/gpu/figures.py NAME RESULT.json >> $OUT/figures.jsonl
+    python3 tools/gpu/figures.py NAME RESULT.json
+    python3 tools/gpu/figures.py --parity NAME RANK_DIR RC
 
 A result that is missing or does not parse gives a line ``{"run": NAME, "error": ...}`` (and exit code 1), so a
 failed run still leaves a line saying so.
@@ -49,9 +52,27 @@ def figures(name: str, r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def parity(name: str, folder: Path, rc: int) -> dict[str, Any]:
+    """The largest differences of logits, log-probs, entropy, gradients and updated weights over the ranks of one
+    megatron parity run (TP=2 or TP=1 x DP=2 against the HF model and the torch backend)."""
+    ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+    keys = ("logits", "logprobs", "entropy", "grads", "weights_after")
+    first = ranks[0] if ranks else {}
+    return {"run": name, "rc": rc, "ranks": len(ranks),
+            **{f"max_{k}": max((r[k] for r in ranks if k in r), default=None) for k in keys},
+            **{k: first.get(k) for k in ("tp_size", "dp_size", "loss_megatron", "loss_torch")}}
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[0] == "--parity":
+        try:
+            print(json.dumps(parity(argv[1], Path(argv[2]), int(argv[3]))))
+        except (OSError, ValueError) as exc:
+            print(json.dumps({"run": argv[1], "error": f"{type(exc).__name__}: {exc}"}))
+            return 1
+        return 0
     if len(argv) != 2:
-        print("usage: figures.py NAME RESULT.json", file=sys.stderr)
+        print("usage: figures.py NAME RESULT.json | figures.py --parity NAME RANK_DIR RC", file=sys.stderr)
         return 2
     name, path = argv
     try:

@@ -99,11 +99,12 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
     model_dir = prepare_model_dir(cfg, run_dir.server_model(name), tokenizer=tokenizer, seed=cfg.model.init_seed)
     dtype = "bfloat16" if cfg.model.dtype == "bfloat16" else ("float32" if device == "cpu" or
                                                               cfg.model.dtype == "float32" else "bfloat16")
+    engine_args = cfg.rollout.sglang.server_args if cfg.rollout.engine == "sglang" else {}  # vllm has none
     setup = ServerSetup(name=name, model_dir=model_dir, record=run_dir.server_record(name),
                         log=run_dir.server_log(name), views=run_dir.server_views(name),
                         device="cpu" if device == "cpu" else "cuda", dtype=dtype,
                         max_model_len=_max_len(model_dir, cfg), seed=seed, eos_token_id=tokenizer.eos_token_id,
-                        extra_server_args=dict(cfg.rollout.sglang.server_args), newest=newest_snapshot(run_dir),
+                        extra_server_args=dict(engine_args), newest=newest_snapshot(run_dir),
                         events=events)
     server_cfg = cfg.rollout.server
     if device != "cpu":

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from relax_hpc.config.trainer import MegatronTrainerConfig
 from relax_hpc.errors import UserError
 from relax_hpc.trainer.megatron.mapping import ModelShape, padded_vocab_size
 
 if TYPE_CHECKING:
-    from relax_hpc.config.schema import ModelConfig, RecipeConfig, TrainerConfig
+    from relax_hpc.config.schema import ModelConfig, RecipeConfig
 
 ACTIVATIONS = {"silu": "silu"}
 """HF ``hidden_act`` -> the activation the backend passes as ``activation_func`` (with ``gated_linear_unit``)."""
@@ -81,7 +82,7 @@ def model_args(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, pp_rank: int 
     return ModelArgs(transformer=transformer, gpt=gpt, activation=ACTIVATIONS[act])
 
 
-def optimizer_args(trainer: TrainerConfig) -> dict[str, Any]:
+def optimizer_args(trainer: MegatronTrainerConfig) -> dict[str, Any]:
     """megatron-core's ``OptimizerConfig`` kwargs for ``trainer`` (AdamW: megatron's ``adam`` decouples weight decay),
     less the dtypes (``bf16``/``params_dtype``), which the backend sets from the model dtype."""
     mc = trainer.megatron
@@ -90,7 +91,7 @@ def optimizer_args(trainer: TrainerConfig) -> dict[str, Any]:
             "use_distributed_optimizer": mc.distributed_optimizer}
 
 
-def ddp_args(trainer: TrainerConfig, *, dist_opt: bool | None = None) -> dict[str, Any]:
+def ddp_args(trainer: MegatronTrainerConfig, *, dist_opt: bool | None = None) -> dict[str, Any]:
     """megatron-core's ``DistributedDataParallelConfig`` kwargs (gradients reduced in float32, after the last
     micro-batch: the step's gradient is summed over micro-batches first). ``dist_opt``: whether the distributed
     optimizer is used (default: ``trainer.megatron.distributed_optimizer``; the backend turns it off on gloo with
@@ -158,6 +159,8 @@ def require_megatron_core() -> None:
 
 def check_recipe(cfg: RecipeConfig) -> None:
     """Everything a ``trainer.backend: megatron`` recipe can be checked for before launch (see module docstring)."""
+    if not isinstance(cfg.trainer, MegatronTrainerConfig):
+        raise UserError(f"trainer.backend is {cfg.trainer.backend}: no megatron layout to check")
     mc = cfg.trainer.megatron
     hf = hf_config_of(cfg.model)
     if hf is not None:
