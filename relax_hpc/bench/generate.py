@@ -7,6 +7,14 @@ batches (``rollout.batch_prompts`` prompts x ``rollout.n_samples`` samples, the 
 ``rollout.hf_decoder: auto`` (the loop) and ``generate``, alternating batch by batch so that both see the same
 machine. Prints the median and minimum ms per batch of each and ``speedup`` = generate median / loop median, with
 the mean response length of each (the two sample from the same distribution, so these should agree).
+
+With ``--lengths MIX`` (:mod:`relax_hpc.bench.lengths`: ``uniform``, ``lognormal:mean=512,sigma=1.0,cap=4096``,
+``file:lengths.json``; each request's ``max_new_tokens`` drawn from it) it measures what a fully_async worker
+sees: the requests of all ``--batches`` batches are submitted at once and each decoder of ``--decoders`` (default
+``auto,slots``: static batches of the loop, and the slot pool that keeps its ``batch_prompts x n_samples`` rows
+full) generates them all; per decoder: generation tokens/s, the decode-step occupancy (mean active rows / rows),
+the seconds decoding with < 25 % of the rows active, the response lengths (p50, p99, mean) and the critical path
+(the longest response).
 """
 
 from __future__ import annotations
@@ -72,18 +80,109 @@ def measure(recipe: Path, overrides: list[str], *, batches: int, warmup: int, th
     return res
 
 
+def measure_mix(recipe: Path, overrides: list[str], *, law: Any, decoders: list[str], batches: int, warmup: int,
+                threads: int) -> dict[str, Any]:
+    """Every request of ``batches`` batches submitted at once to each decoder (``auto``, ``generate``: static
+    batches on the policy's module; ``slots``: an engine with a slot pool), their budgets drawn from ``law``."""
+    import torch
+
+    from relax_hpc.bench.lengths import percentiles
+    from relax_hpc.config.load import load_recipe
+    from relax_hpc.modes import components as C
+    from relax_hpc.rollout.hf_engine import sampling_params
+
+    torch.set_num_threads(threads)
+    cfg = load_recipe(recipe, [*overrides, f"rollout.sampling.max_new_tokens={law.cap}"])
+    policy = C.build_policy(cfg, device_pref=cfg.rollout.device)
+    stream = C.build_prompt_stream(cfg, policy.tokenizer)
+    prompts = [stream.next_batch(cfg.rollout.batch_prompts) for _ in range(warmup + batches)]
+    sampling = sampling_params(cfg.rollout.sampling, cfg.rollout.n_samples)
+    sync = torch.cuda.synchronize if policy.device.startswith("cuda") else (lambda: None)
+    res: dict[str, Any] = {"benchmark": "generate", "recipe": str(recipe), "overrides": overrides,
+                           "device": policy.device, "threads": threads, "batches": batches, "lengths": law.describe(),
+                           "batch": f"{cfg.rollout.batch_prompts} prompts x {cfg.rollout.n_samples} samples, "
+                                    f"max_new_tokens at most {law.cap}", "decoders": decoders}
+    for d in decoders:
+        engine = mix_engine(cfg, d, policy, threads)
+        loop = asyncio.new_event_loop()
+        try:
+            if warmup:
+                loop.run_until_complete(_stream(engine, prompts[:warmup], sampling, law, "w"))
+            engine.metrics()  # a new window: the timed requests only
+            sync()
+            t0 = time.perf_counter()
+            out = loop.run_until_complete(_stream(engine, prompts[warmup:], sampling, law, "t"))
+            sync()
+            seconds = time.perf_counter() - t0
+            occ = engine.metrics()
+        finally:
+            loop.run_until_complete(engine.close())
+            loop.close()
+        lengths = [len(s.token_ids) for r in out for s in r.samples]
+        pct = percentiles(lengths)
+        res.update({f"{d}_s": seconds, f"{d}_tokens_per_s": sum(lengths) / seconds,
+                    f"{d}_decode_occupancy": occ.get("perf/decode_occupancy"),
+                    f"{d}_decode_low_occupancy_s": occ.get("perf/decode_low_occupancy_time"),
+                    f"{d}_response_tokens_mean": pct["mean"], f"{d}_response_length_p50": pct["p50"],
+                    f"{d}_response_length_p99": pct["p99"], f"{d}_critical_path_tokens": pct["max"]})
+    if "auto" in decoders and "slots" in decoders:
+        res["slots_speedup"] = res["slots_tokens_per_s"] / res["auto_tokens_per_s"]
+    res["machine"] = machine()
+    return res
+
+
+def mix_engine(cfg: Any, decoder: str, policy: Any, threads: int) -> Any:
+    """The engine of ``decoder`` on the policy's module."""
+    from relax_hpc.config.load import validate_dict
+    from relax_hpc.modes import components as C
+    from relax_hpc.rollout.hf_engine import HFEngine
+
+    r = cfg.rollout
+    if decoder == "slots":
+        engine = HFEngine(policy.model, policy.tokenizer, r.sampling, device=policy.device,
+                          batch_prompts=r.batch_prompts, seed=cfg.seed, threads=threads,
+                          decoder="compiled" if r.hf_decoder == "compiled" else "auto",
+                          slots=r.batch_prompts * r.n_samples,
+                          slot_length=cfg.data.max_prompt_tokens + r.sampling.max_new_tokens)
+        if not engine.slots:
+            engine.shutdown()
+            from relax_hpc.errors import UserError
+
+            raise UserError("--decoders slots: the slot pool does not apply to this model (a Llama-style decoder "
+                            "is needed: relax_hpc/rollout/graph_decode.py)")
+        return engine
+    data = cfg.model_dump(mode="json")
+    data["rollout"]["hf_decoder"] = decoder
+    return C.build_engine(validate_dict(data), policy.tokenizer, seed=cfg.seed, model=policy.model,
+                          device=policy.device)
+
+
+async def _stream(engine: Any, batches: list[list[Any]], sampling: Any, law: Any, tag: str) -> list[Any]:
+    """Every request of ``batches`` at once, each with its drawn ``max_new_tokens``."""
+    from dataclasses import replace
+
+    from relax_hpc.rollout.engine import GenerateRequest, generate_all
+
+    reqs = []
+    for i, batch in enumerate(batches):
+        for k, p in enumerate(batch):
+            rid = f"{tag}{i}-{k}"
+            reqs.append(GenerateRequest(rid, p.prompt_ids, replace(sampling, max_new_tokens=law.length(rid)),
+                                        multimodal=p.multimodal))
+    return await generate_all(engine, reqs)
+
+
 def shape_recipe(shape: str, cache: Path) -> Path:
     """A recipe file for ``--shape``: bench step's model folder and workload (16 x 8, 256 new tokens) on cuda."""
     import torch
     import yaml
 
-    from relax_hpc.bench.step import model_folder, recipe
+    from relax_hpc.bench.step import model_folder, parse_args, recipe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     folder = model_folder(shape, cache, device)
-    ns = argparse.Namespace(shape=shape, warmup_steps=0, steps=1, attn="sdpa", gradient_checkpointing=False,
-                            prompts=16, samples=8, device=device, new_tokens=256, micro_batch_tokens=16384,
-                            checkpoint_every=1000, async_checkpoint=False)
+    # bench step's own defaults (16 x 8, 256 new tokens), so every field its recipe reads is set
+    ns = parse_args(["--shape", shape, "--device", device, "--warmup-steps", "0", "--steps", "1"])
     path = cache / f"generate-{shape}.yaml"
     path.write_text(yaml.safe_dump(recipe(folder, ns)))
     return path
@@ -103,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default=None, help="a Qwen3 shape of bench step (qwen3-0.6b, qwen3-4b ...): random "
                    "weights, the real Qwen vocabulary, arithmetic prompts, 256 new tokens, on cuda (replaces --recipe)")
     p.add_argument("--cache", default="~/.cache/relax-hpc/bench-step", help="model folders of --shape")
+    p.add_argument("--lengths", default=None, metavar="MIX", help="a length mix (uniform = the recipe's "
+                   "max_new_tokens, lognormal:mean=512,sigma=1.0,cap=4096, file:lengths.json): every request of the "
+                   "timed batches at once, per-request max_new_tokens drawn from it")
+    p.add_argument("--decoders", default="auto,slots", help="with --lengths: comma list of auto (static batches "
+                   "of the loop), generate (transformers.generate), slots (the slot pool)")
     a = p.parse_args(argv)
     if a.batches < 1 or a.warmup < 0 or a.threads < 1:
         p.error("--batches and --threads must be >= 1, --warmup >= 0")
@@ -124,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
         return 2
     try:
-        res = measure(recipe, a.overrides, batches=a.batches, warmup=a.warmup, threads=a.threads)
+        if a.lengths is not None:
+            res = _measure_mix(a, recipe)
+        else:
+            res = measure(recipe, a.overrides, batches=a.batches, warmup=a.warmup, threads=a.threads)
     except (ConfigError, UserError) as exc:
         for line in getattr(exc, "problems", None) or [str(exc)]:
             print(f"error: {line}", file=sys.stderr)
@@ -134,6 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_fields(res)
     return 0
+
+
+def _measure_mix(a: argparse.Namespace, recipe: Path) -> dict[str, Any]:
+    from relax_hpc.bench.lengths import parse_lengths
+    from relax_hpc.config.load import load_recipe
+    from relax_hpc.errors import UserError
+
+    decoders = [d for d in a.decoders.split(",") if d]
+    bad = [d for d in decoders if d not in ("auto", "generate", "slots")]
+    if bad or not decoders:
+        raise UserError(f"--decoders {a.decoders!r}: expected a comma list of auto, generate, slots")
+    default = load_recipe(recipe, a.overrides).rollout.sampling.max_new_tokens
+    law = parse_lengths(a.lengths, default)
+    return measure_mix(recipe, a.overrides, law=law, decoders=decoders, batches=a.batches, warmup=a.warmup,
+                       threads=a.threads)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,11 @@ limit: the step is the full 16 x 8 x 256 workload.
 Prints, over the steps after ``--warmup-steps``: the median time of each phase of the step; generation tokens/s;
 training tokens/s and MFU (6 x params x tokens / time / ``--peak-tflops``); peak GPU memory; the HBM bound of
 generation (weights + the KV cache each decode step must read, at ``--hbm-tbps``) and the ratio bound / measured;
-the hand-over's share of the step. Peers on the same model, prompts and lengths (``--peers``): ``generate`` =
+the hand-over's share of the step; the response lengths (p50, p99, and the critical path: the longest response of
+a step), the decode-step occupancy (mean active rows / rows) and the seconds decoding with < 25 % of the rows
+active. ``--lengths`` gives the responses a length mix (:mod:`relax_hpc.bench.lengths`: each request's
+``max_new_tokens`` drawn from it, so random weights end each response at its drawn length). Peers on the same
+model, prompts and lengths (``--peers``; they run uniform lengths of ``--new-tokens``): ``generate`` =
 ``transformers.generate`` with a static cache (one warm-up call, then a timed one); ``trl`` = TRL's
 ``GRPOTrainer`` (transformers generate, no vLLM; the optional ``trl`` extra), seconds per optimizer step from a
 callback. ``--profile DIR`` also writes torch.profiler tables of a few decode steps and of one training step.
@@ -88,7 +92,7 @@ def recipe(folder: Path, a: argparse.Namespace) -> dict[str, Any]:
         "rollout": {"engine": "hf", "num_workers": 1, "prompts_per_step": a.prompts, "n_samples": a.samples,
                     "batch_prompts": a.prompts, "device": a.device,
                     "hf_decoder": "compiled" if a.compiled_decode else "auto",
-                    "sampling": {"temperature": 1.0, "max_new_tokens": a.new_tokens}},
+                    "sampling": {"temperature": 1.0, "max_new_tokens": max_new_tokens(a)}},
         "algorithm": {"name": "grpo", "clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0},
         "reward": {"name": "math", "kwargs": {"timeout_s": 5}},
         "trainer": {"backend": a.backend, "device": a.device, "lr": 1.0e-6, "micro_batch_tokens": a.micro_batch_tokens,
@@ -98,11 +102,21 @@ def recipe(folder: Path, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_loop(rec: dict[str, Any], root: Path) -> tuple[list[dict[str, float]], float]:
-    """The colocate loop in this process on ``rec``; (per-step metrics, peak GPU memory in GB)."""
+def max_new_tokens(a: argparse.Namespace) -> int:
+    """The recipe's ``max_new_tokens``: ``--new-tokens``, or the cap of the ``--lengths`` mix."""
+    from relax_hpc.bench.lengths import parse_lengths
+
+    return parse_lengths(a.lengths, a.new_tokens).cap
+
+
+def run_loop(rec: dict[str, Any], root: Path, law: Any = None) -> tuple[list[dict[str, float]], float,
+                                                                        list[dict[str, float]]]:
+    """The colocate loop in this process on ``rec``, each request's ``max_new_tokens`` drawn from ``law``;
+    (per-step metrics, peak GPU memory in GB, the engine's decode metrics per step)."""
     import torch
     import yaml
 
+    from relax_hpc.bench.lengths import Uniform, engines_with_lengths
     from relax_hpc.bench.pipeline import read_records
     from relax_hpc.cli.submit import prepare_run_dir
     from relax_hpc.modes.colocate import run_colocate
@@ -113,13 +127,14 @@ def run_loop(rec: dict[str, Any], root: Path) -> tuple[list[dict[str, float]], f
     cuda = torch.cuda.is_available() and cfg.trainer.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    code = run_colocate(run_dir, cfg)
+    with engines_with_lengths(law or Uniform(cfg.rollout.sampling.max_new_tokens)) as engines:
+        code = run_colocate(run_dir, cfg)
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
     if code != 0:
         raise RuntimeError(f"the colocate loop exited with {code}; logs: {run_dir.logs}")
     recs = read_records(run_dir, "colocate-0")
     steps = [r["metrics"] for r in recs if r.get("kind") == "metrics" and "perf/step_time" in r.get("metrics", {})]
-    return steps, peak
+    return steps, peak, engines[0].windows if engines else []
 
 
 def prompt_lengths(rec: dict[str, Any], steps: int) -> list[int]:
@@ -168,7 +183,30 @@ def summarize(steps: list[dict[str, float]], a: argparse.Namespace, params: int,
     out["generation_hbm_bound_s"] = bound
     out["generation_vs_hbm_bound"] = bound / med["generate"]
     out["hand_over_share_of_step"] = med["hand_over"] / out["step_s_steady"]
+    out.update(length_figures(timed))
     return out
+
+
+def length_figures(timed: list[dict[str, float]]) -> dict[str, Any]:
+    """The response lengths of the timed steps (medians over steps of each step's p50, p99 and longest response:
+    the step's critical path)."""
+    out: dict[str, Any] = {}
+    for key, name in (("rollout/response_length_p50", "response_length_p50"),
+                      ("rollout/response_length_p99", "response_length_p99"),
+                      ("rollout/response_length_max", "critical_path_tokens")):
+        values = [m[key] for m in timed if key in m]
+        if values:
+            out[name] = statistics.median(values)
+    return out
+
+
+def decode_figures(windows: list[dict[str, float]], a: argparse.Namespace) -> dict[str, Any]:
+    """Decode-step occupancy of the timed steps (mean active rows / rows of the decode steps) and the seconds spent
+    decoding with fewer than a quarter of the rows active; ``windows``: the engine's metrics per step."""
+    from relax_hpc.bench.lengths import occupancy
+
+    occ = occupancy(windows[a.warmup_steps:] or windows)
+    return {k: occ[k] for k in ("decode_occupancy", "decode_low_occupancy_s") if k in occ}
 
 
 def peer_generate(folder: Path, lengths_rec: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
@@ -230,8 +268,10 @@ def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
 
     import torch
 
+    from relax_hpc.bench.lengths import parse_lengths
     from relax_hpc.errors import UserError
 
+    law = parse_lengths(a.lengths, a.new_tokens)  # bad --lengths: one error line before any work
     if a.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no CUDA GPU (--device cpu checks the benchmark itself)")
     cache = Path(a.cache).expanduser()
@@ -240,14 +280,16 @@ def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
     params = count_params(folder)
     root = dirs.new("step")
     root.mkdir(parents=True, exist_ok=True)
-    steps, peak = run_loop(rec, root)
+    steps, peak, windows = run_loop(rec, root, law)
     res: dict[str, Any] = {"benchmark": "step", "shape": a.shape, "backend": a.backend, "params": params,
-                           "batch": f"{a.prompts} prompts x {a.samples} samples, {a.new_tokens} new tokens",
+                           "batch": f"{a.prompts} prompts x {a.samples} samples, {law.cap} new tokens at most",
+                           "lengths": law.describe(),
                            "micro_batch_tokens": a.micro_batch_tokens, "attn_implementation": a.attn,
                            "gradient_checkpointing": a.gradient_checkpointing, "fused_head": a.fused_head,
                            "compile_layers": a.compile_layers, "compiled_decode": a.compiled_decode,
                            "steps": len(steps), "warmup_steps": a.warmup_steps}
     res.update(summarize(steps, a, params, prompt_lengths(rec, len(steps))))
+    res.update(decode_figures(windows, a))
     res["peak_gpu_memory_gb"] = peak
     gc.collect()
     if a.device == "cuda":
@@ -300,6 +342,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--lengths", default="uniform", metavar="MIX",
+                   help="response lengths, as each request's max_new_tokens (random weights run every response to "
+                        "it): uniform (--new-tokens), lognormal:mean=512,sigma=1.0,cap=4096, or file:lengths.json")
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "flash_attention_2", "eager"],
                    help="model.attn_implementation of the run")

@@ -45,8 +45,18 @@ METRICS: dict[str, str] = {
     "tool_latency": "agent/tool_latency_s",
     "truncations": "agent/truncated_episodes",
     "episode_reward": "agent/episode_reward",
+    "response_p50": "rollout/response_length_p50",
+    "response_p99": "rollout/response_length_p99",
+    "response_max": "rollout/response_length_max",
 }
 """Snapshot key -> trainer metric name (``agent/*``: multi-turn episodes, relax_hpc/envs/metrics.py)."""
+DECODE_METRICS: dict[str, str] = {
+    "decode_occupancy": "perf/decode_occupancy",
+    "decode_low_occupancy_time": "perf/decode_low_occupancy_time",
+    "decode_time": "perf/decode_time",
+}
+"""Snapshot key -> decode metric of an in-process engine: the trainer's (colocate) or, when it has none, the mean
+over the rollout workers' latest values (fully_async)."""
 RECENT_KEEP = 100
 """Warnings, errors and alerts kept for the snapshot's ``recent`` list."""
 
@@ -120,7 +130,10 @@ class RunMonitor:
         self.config: dict[str, Any] | None = None
         self.monitor_cfg = MonitorConfig.model_validate({})
         # Only the trainer's metrics are used: other procs' metrics lines are counted, not parsed.
-        self._events = DirTail(self.rd.events, skip=lambda proc: None if proc in TRAINER_PROCS else METRICS_MARK)
+        self._events = DirTail(self.rd.events, skip=lambda proc: None if proc in TRAINER_PROCS else METRICS_MARK,
+                               keep=DECODE_METRICS["decode_occupancy"])
+        self._decode: dict[str, dict[str, float]] = {}
+        """Latest decode metrics of each rollout worker."""
         self._hb: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
         self._launch: tuple[int, dict[str, Any]] | None = None
         self._trainers: dict[str, _Trainer] = {}
@@ -156,7 +169,10 @@ class RunMonitor:
         t = rec.get("time") if isinstance(rec.get("time"), int | float) else None
         if kind == "metrics":
             metrics = rec.get("metrics")
-            if proc not in TRAINER_PROCS or not isinstance(metrics, dict):
+            if not isinstance(metrics, dict):
+                return
+            if proc not in TRAINER_PROCS:
+                self._note_decode(proc, metrics)
                 return
             tr = self._trainers.setdefault(proc, _Trainer())
             tr.metrics.update(metrics)
@@ -176,6 +192,19 @@ class RunMonitor:
             if len(self._recent) > 2 * RECENT_KEEP:
                 self._recent.sort(key=lambda r: r["time"] or 0.0)
                 del self._recent[:-RECENT_KEEP]
+
+    def _note_decode(self, proc: str, metrics: dict[str, Any]) -> None:
+        got = {k: v for k, name in DECODE_METRICS.items() if (v := as_float(metrics.get(name))) is not None}
+        if got:
+            self._decode[proc] = got
+
+    def _decode_snapshot(self, tr: _Trainer) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for key, name in DECODE_METRICS.items():
+            own = as_float(tr.metrics.get(name))
+            workers = [m[key] for m in self._decode.values() if key in m]
+            out[key] = own if own is not None else (sum(workers) / len(workers) if workers else None)
+        return out
 
     def _read_heartbeats(self) -> None:
         seen = set()
@@ -270,6 +299,7 @@ class RunMonitor:
         snap["eta_s"] = self._eta(tr, total) if state == "running" else None
         for key, name in METRICS.items():
             snap[key] = as_float(tr.metrics.get(name))
+        snap.update(self._decode_snapshot(tr))
         snap["reward_trend"] = slope(list(tr.rewards)[-20:])
         snap["weight_version"] = self._weight_version(tr)
         snap["trainer_proc"] = tproc

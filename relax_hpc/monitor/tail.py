@@ -30,12 +30,14 @@ class JsonlTail:
     """Incremental reader of one JSON-lines file (which may not exist yet).
 
     ``skip``: lines holding this text in their first 80 characters are counted in ``skipped`` and not parsed
-    (the monitor skips rollout workers' metrics lines this way, which halves a first read).
+    (the monitor skips rollout workers' metrics lines this way, which halves a first read), unless they hold
+    ``keep`` (anywhere: the decode metrics of a worker's in-process engine).
     """
 
-    def __init__(self, path: Path | str, *, skip: str | None = None):
+    def __init__(self, path: Path | str, *, skip: str | None = None, keep: str | None = None):
         self.path = Path(path)
         self.skip = skip
+        self.keep = keep
         self.offset = 0
         """Bytes consumed so far (the pending partial line included)."""
         self.bad_lines = 0
@@ -87,7 +89,7 @@ class JsonlTail:
         for line in complete.decode("utf-8", errors="replace").split("\n"):
             if not line or line.isspace():
                 continue
-            if skip is not None and skip in line[:80]:
+            if skip is not None and skip in line[:80] and (self.keep is None or self.keep not in line):
                 self.skipped += 1
                 continue
             try:
@@ -110,12 +112,15 @@ class JsonlTail:
 class DirTail:
     """Tails every ``*.jsonl`` file in a folder (created later or not), keyed by file stem (the proc name).
 
-    ``skip`` maps a stem to the ``skip`` text of its :class:`JsonlTail` (None: parse every line).
+    ``skip`` maps a stem to the ``skip`` text of its :class:`JsonlTail` (None: parse every line); ``keep`` is every
+    tail's ``keep``.
     """
 
-    def __init__(self, folder: Path | str, *, skip: Callable[[str], str | None] | None = None):
+    def __init__(self, folder: Path | str, *, skip: Callable[[str], str | None] | None = None,
+                 keep: str | None = None):
         self.folder = Path(folder)
         self.skip = skip
+        self.keep = keep
         self.tails: dict[str, JsonlTail] = {}
 
     def discover(self) -> None:
@@ -129,7 +134,8 @@ class DirTail:
                 name = e.name
                 if name.endswith(".jsonl") and not name.startswith(".") and name[:-6] not in self.tails:
                     stem = name[:-6]
-                    self.tails[stem] = JsonlTail(e.path, skip=self.skip(stem) if self.skip else None)
+                    self.tails[stem] = JsonlTail(e.path, skip=self.skip(stem) if self.skip else None,
+                                                 keep=self.keep)
 
     def read(self) -> list[tuple[str, dict[str, Any]]]:
         """``(stem, record)`` pairs appended to any file since the last call, file by file."""

@@ -26,6 +26,8 @@ METRIC_ROWS = (
     (("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"), ("step time", "step_time"),
      ("resp len", "response_length")),
     (("staleness", "staleness"), ("backlog", "backlog")),
+    (("resp p50", "response_p50"), ("resp p99", "response_p99"), ("resp max", "response_max"),
+     ("decode occ", "decode_occupancy"), ("occ<25%", "decode_low_occupancy_time")),
 )
 """Label and snapshot key of the headline numbers: learning, throughput, asynchrony."""
 AGENT_ROW = (("turns/ep", "turns"), ("calls/turn", "tool_calls"), ("tool errs", "tool_errors"),

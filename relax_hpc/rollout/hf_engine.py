@@ -14,6 +14,17 @@ holds the batch (weights may be received meanwhile: later tokens carry the new v
 Sampling is reproducible: each batch draws a seed from the engine's generator (seeded with ``seed``), or uses the
 request's own ``sampling.seed`` (such a request is batched alone). Requests queued together by one
 :func:`asyncio.gather` are batched in submission order.
+
+An engine with a thread of its own and ``slots > 0`` (:func:`from_config` gives an engine that loads its own model,
+a fully_async worker's, ``batch_prompts x n_samples``) decodes text prompts to a Llama-style model in a
+:class:`~relax_hpc.rollout.slots.SlotPool` instead: a fixed pool of decode rows over a static KV cache where a row
+that ends hands its slot to the next queued sample between two runs of ``check_every`` decode steps, so the decode
+steps stay full while requests keep arriving. Each row keeps its own settings, and its draws depend only on its
+request's seed (the request's own, or one drawn from the engine's generator when the request is admitted) and its
+sample index: a request decoded beside others gives the tokens it gives alone. Aborted rows end at the next check
+with their tokens; a pause without abort holds the pool (weights received meanwhile: the next tokens carry the new
+version). Multimodal prompts and stop strings still go to static batches, run between two runs of the pool.
+:meth:`HFEngine.metrics` reports the decode-step occupancy of either path.
 """
 
 from __future__ import annotations
@@ -73,6 +84,15 @@ class _Unit:
     n: int
     samples: list[int]
     budget: int
+    pooled: bool = False
+    """Decoded in the engine's slot pool (else in a static batch)."""
+    admitted: int = 0
+    """Pooled: samples placed in slots so far (in order)."""
+    seed: int | None = None
+    """Pooled: the unit's sampling seed (the request's, or drawn from the engine's generator at admission)."""
+    started: float = 0.0
+    outs: dict[int, SampleOutput] = field(default_factory=dict)
+    """Pooled: the samples that ended, by index in ``samples``."""
 
     def key(self) -> tuple[Any, ...]:
         s = self.job.request.sampling
@@ -136,8 +156,10 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model: Any, tokenizer: Any, sampling: SamplingConfig | None = None, *, device: str = "cpu",
                  batch_prompts: int = 16, seed: int = 0, decoder: str = "auto", shared: bool = False,
-                 threads: int | None = None, threaded: bool = True):
+                 threads: int | None = None, threaded: bool = True, slots: int = 0, slot_length: int = 0):
         import torch
+
+        from relax_hpc.rollout.slots import Occupancy
 
         self.model = model
         self.tokenizer = tokenizer
@@ -163,12 +185,21 @@ class HFEngine(RolloutEngine):
         self._error: BaseException | None = None
         self._threads = threads or torch.get_num_threads()  # torch CPU threads of the engine's thread
         self.threaded = threaded
+        self.slots = slots if threaded and decoder != "generate" and _poolable(model) else 0
+        """Rows of the slot pool (0: static batches only); a pool needs the engine's own thread and a model the
+        layer-by-layer decoders compute (:func:`relax_hpc.rollout.graph_decode.supported`)."""
+        self.slot_length = slot_length
+        """Cache columns the pool starts with (prompt + response; grows when a request needs more)."""
+        self._pool: Any = None
+        self.occupancy = Occupancy()
+        """Decode-step occupancy of the static batches and the pool (:meth:`metrics`)."""
         """False: no thread of its own; queued batches run on the event loop's thread, right after the coroutines
         that queued them (colocate: generation and training strictly alternate, so a thread only adds hand-overs).
         Nothing can reach the engine while such a batch runs, so aborts and pauses act between batches."""
         self._thread: threading.Thread | None = None
         if threaded:
-            self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
+            target = self._run_pool if self.slots else self._run
+            self._thread = threading.Thread(target=target, name="hf-engine", daemon=True)
             self._thread.start()
 
     # ------------------------------------------------------------------------------------------ the protocol
@@ -262,19 +293,29 @@ class HFEngine(RolloutEngine):
     def weight_template(self) -> Mapping[str, Any]:
         return self.model.state_dict()
 
+    def metrics(self) -> dict[str, float]:
+        """Decode-step occupancy since the last call: ``perf/decode_occupancy`` (mean active rows / rows of the
+        decode steps), ``perf/decode_low_occupancy_time`` (seconds decoding with < 25 % of the rows active),
+        ``perf/decode_time``, ``perf/decode_steps``; and the pool's size."""
+        out = self.occupancy.take()
+        if out and self.slots:
+            out["perf/decode_slots"] = float(self.slots)
+        return out
+
     # ------------------------------------------------------------------------------------------ requests
     def _units(self, job: _Job) -> list[_Unit]:
         r, s = job.request, job.request.sampling
         prompt = [int(t) for t in r.prompt_ids]
+        pooled = bool(self.slots) and r.multimodal is None and not s.stop and len(prompt) > 0
         if r.prefixes is None:
-            return [_Unit(job, prompt, s.n, list(range(s.n)), s.max_new_tokens)]
+            return [_Unit(job, prompt, s.n, list(range(s.n)), s.max_new_tokens, pooled)]
         units = []
         for j, p in enumerate(r.prefixes):
             budget = s.max_new_tokens - len(p.token_ids)
             if budget <= 0:
                 job.outputs[j] = _empty("length", self.version)
                 continue
-            units.append(_Unit(job, prompt + [int(t) for t in p.token_ids], 1, [j], budget))
+            units.append(_Unit(job, prompt + [int(t) for t in p.token_ids], 1, [j], budget, pooled))
         return units
 
     def _kick(self) -> None:
@@ -328,6 +369,138 @@ class HFEngine(RolloutEngine):
         finally:
             self._fail_all(self._error or RuntimeError("the hf engine was closed"))
 
+    # ------------------------------------------------------------------------------------------ the slot pool
+    def _run_pool(self) -> None:
+        """The thread's loop with a slot pool: commands; aborted rows end; queued rows take the free slots (their
+        prefill between two runs of decode steps); ``check_every`` decode steps; the rows that ended complete their
+        requests. Requests the pool does not take (multimodal prompts, stop strings) run as static batches between
+        two runs."""
+        import torch
+
+        torch.set_num_threads(self._threads)
+        try:
+            while self._pool_round():
+                pass
+        except BaseException as exc:
+            log.exception("hf engine thread failed")
+            self._error = exc
+        finally:
+            self._fail_all(self._error or RuntimeError("the hf engine was closed"))
+
+    def _pool_round(self) -> bool:
+        """One round of :meth:`_run_pool`; False once closed."""
+        self._service(hold=None)
+        pool = self._slot_pool()
+        with self._cond:
+            if self._closed:
+                return False
+            paused = self._paused
+            aborted = [i for i, tag in enumerate(pool.tags) if tag is not None and tag[0].job.aborted]
+            ended = self._drop_aborted_rows()
+        self._deliver_rows(ended, [])
+        if aborted:
+            self._deliver_rows([], pool.evict(aborted))
+        if paused:  # rows in slots are held; weights may be received meanwhile
+            with self._cond:
+                if not self._commands and self._paused and not self._closed:
+                    self._cond.wait(timeout=1.0)
+            return True
+        static = self._take_batch()
+        if static is not None:
+            self._generate_batch(static)
+            return True
+        pool.set_version(self.version)
+        rows = self._admissions(len(pool.free()))
+        if rows:
+            self._pool_call(rows, lambda: pool.admit(rows))
+        if pool.active:
+            self._pool_call(None, pool.run)
+            return True
+        with self._cond:
+            if not self._commands and not self._closed and not self._ready:
+                self._cond.wait(timeout=1.0)
+        return True
+
+    def _slot_pool(self) -> Any:
+        if self._pool is None:
+            from relax_hpc.rollout.slots import SlotPool
+
+            self._pool = SlotPool(self.model, self.slots, length=max(1, self.slot_length), pad_id=self.pad_id,
+                                  compiled=self.compile_decode, occupancy=self.occupancy)
+        return self._pool
+
+    def _pool_call(self, rows: list[Any] | None, fn: Callable[[], list[Any]]) -> None:
+        """``fn`` (an admission of ``rows``, or a run of the pool) and the rows that ended. If an admission raises,
+        its requests fail (their rows leave the pool); if a run raises, every request in the pool fails and the pool
+        is rebuilt. The engine goes on either way."""
+        try:
+            finished = fn()
+        except Exception as exc:
+            log.exception("hf engine: the slot pool failed")
+            pool = self._pool
+            if rows is not None:
+                jobs = {id(r.tag[0].job): r.tag[0].job for r in rows}
+                mine = [i for i, t in enumerate(pool.tags) if t is not None and id(t[0].job) in jobs]
+                pool.evict(mine)
+            else:
+                jobs = {id(t[0].job): t[0].job for t in pool.tags if t is not None}
+                self._pool = None
+            for job in jobs.values():
+                job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
+                with self._cond:
+                    self._jobs.pop(job.request.request_id, None)
+            return
+        self._deliver_rows([], finished)
+
+    def _admissions(self, free: int) -> list[Any]:
+        """Rows for ``free`` slots: the samples of the queued pooled units, in order (a unit may be placed in part;
+        the rest of it goes first next time)."""
+        from relax_hpc.rollout.slots import RowSpec, row_key
+
+        rows: list[RowSpec] = []
+        with self._cond:
+            for u in [u for u in self._ready if u.pooled]:
+                if len(rows) >= free:
+                    break
+                s = u.job.request.sampling
+                if u.seed is None:
+                    u.seed = s.seed if s.seed is not None else int(self._rng.integers(2**62))
+                    u.started = time.perf_counter()
+                stops = (self.eos_id, *s.stop_token_ids)
+                take = min(u.n - u.admitted, free - len(rows))
+                for k in range(u.admitted, u.admitted + take):
+                    rows.append(RowSpec(u.context, u.budget, s.temperature, s.top_k, s.top_p, stops,
+                                        row_key(u.seed, u.samples[k]), id(u), (u, k)))
+                u.admitted += take
+                if u.admitted == u.n:
+                    self._ready.remove(u)
+        return rows
+
+    def _drop_aborted_rows(self) -> list[tuple[Any, SampleOutput]]:
+        """Queued pooled samples of aborted requests: they end now, without tokens (under the lock)."""
+        out = []
+        for u in [u for u in self._ready if u.pooled and u.job.aborted]:
+            out += [((u, k), _empty("abort", self.version)) for k in range(u.admitted, u.n)]
+            u.admitted = u.n
+            self._ready.remove(u)
+        return out
+
+    def _deliver_rows(self, ended: list[tuple[Any, SampleOutput]], finished: list[Any]) -> None:
+        """Record the samples of pooled rows that ended; complete the requests whose last sample this was."""
+        now = time.perf_counter()
+        for f in finished:
+            u = f.tag[0]
+            mask = np.ones(len(f.tokens), dtype=np.uint8)
+            ended.append((f.tag, SampleOutput(token_ids=f.tokens, logprobs=f.logprobs, versions=f.versions,
+                                              finish_reason=f.reason, loss_mask=mask,
+                                              timings={"generate": now - u.started})))
+        done: list[_Job] = []
+        for (u, k), out in ended:
+            u.outs[k] = out
+            if len(u.outs) == u.n:
+                self._finish_unit(u.job, [(u.samples[j], o) for j, o in sorted(u.outs.items())], done)
+        self._complete_all(done)
+
     def _next_batch(self) -> list[_Unit] | None:
         """Wait for work; run commands meanwhile. None once closed."""
         while True:
@@ -345,13 +518,14 @@ class HFEngine(RolloutEngine):
         """The next batch: the oldest ready unit and up to ``batch_prompts`` - 1 more ready units of the same
         settings, in order (aborted ones end at once); None when nothing is ready or the engine is paused."""
         with self._cond:
-            for u in [u for u in self._ready if u.job.aborted]:
+            for u in [u for u in self._ready if u.job.aborted and not u.pooled]:
                 self._ready.remove(u)
                 self._finish_unit(u.job, [(j, _empty("abort", self.version)) for j in u.samples])
-            if not self._ready or self._paused:
+            static = [u for u in self._ready if not u.pooled]
+            if not static or self._paused:
                 return None
-            key = self._ready[0].key()
-            take = [u for u in self._ready if u.key() == key][:self.batch_prompts]
+            key = static[0].key()
+            take = [u for u in static if u.key() == key][:self.batch_prompts]
             for u in take:
                 self._ready.remove(u)
             return take
@@ -570,6 +744,7 @@ class HFEngine(RolloutEngine):
         logp = np.array(logp, dtype=np.float32)
         masks = np.ones((rows, width), dtype=np.uint8)
         ends = lengths.tolist()
+        self.occupancy.add_batch(lengths, width, per_row * rows)
         done: list[_Job] = []
         row = 0
         for u in batch.units:
@@ -663,6 +838,12 @@ def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
         fut.set_exception(exc)
 
 
+def _poolable(model: Any) -> bool:
+    from relax_hpc.rollout.graph_decode import supported
+
+    return supported(model)
+
+
 def from_config(cfg: Any, *, device: str | None, seed: int, tokenizer: Any, model: Any = None) -> HFEngine:
     """The ``hf`` engine of a recipe: on ``model`` (shared, colocate) or on its own copy loaded from ``cfg.model``."""
     from relax_hpc.models.load import load_model, resolve_device, resolve_dtype
@@ -672,7 +853,11 @@ def from_config(cfg: Any, *, device: str | None, seed: int, tokenizer: Any, mode
         device = device or resolve_device(cfg.rollout.device)
         model = load_model(cfg.model, tokenizer, device=device, dtype=resolve_dtype(cfg.model.dtype, device))
     dev = device or str(next(model.parameters()).device)
-    return HFEngine(model, tokenizer, cfg.rollout.sampling, device=dev, batch_prompts=cfg.rollout.batch_prompts,
-                    seed=seed, decoder=cfg.rollout.hf_decoder if cfg.rollout.engine == "hf" else "auto", shared=shared,
-                    threaded=not shared)
+    r = cfg.rollout
+    # an engine of its own (fully_async workers, eval, GenRM) keeps a pool of batch_prompts x n_samples decode
+    # slots full as requests arrive; the trainer's shared engine (colocate) decodes each step's batch at once
+    slots = 0 if shared else r.batch_prompts * r.n_samples
+    return HFEngine(model, tokenizer, r.sampling, device=dev, batch_prompts=r.batch_prompts, seed=seed,
+                    decoder=r.hf_decoder if r.engine == "hf" else "auto", shared=shared, threaded=not shared,
+                    slots=slots, slot_length=cfg.data.max_prompt_tokens + r.sampling.max_new_tokens)
 

@@ -37,6 +37,8 @@ def prepare_items(items: list[TrainItem], cfg: RecipeConfig, algorithm: Any) -> 
     metrics = {"rollout/reward": float(rewards.mean()), "rollout/reward_std": float(rewards.std()),
                "rollout/response_length": float(lengths.mean()),
                "rollout/response_length_max": float(lengths.max()),
+               "rollout/response_length_p50": float(np.percentile(lengths, 50)),
+               "rollout/response_length_p99": float(np.percentile(lengths, 99)),
                "rollout/truncated_fraction": float((lengths >= max_new).mean())}
     if a.overlong.enabled:
         pen = common.overlong_penalty(lengths, max_new, a.overlong.buffer_tokens, a.overlong.penalty)

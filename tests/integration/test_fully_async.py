@@ -74,6 +74,10 @@ def test_fully_async_reward_rises_and_staleness_is_bounded(tmp_path: Path) -> No
     # both workers contributed
     for w in ("rollout-0", "rollout-1"):
         assert metrics(run, w), f"{w} wrote no metrics"
+        # the worker's hf engine decodes in its slot pool (batch_prompts x n_samples rows) and reports occupancy
+        decode = [rec["metrics"] for rec in metrics(run, w) if "perf/decode_occupancy" in rec["metrics"]]
+        assert decode and all(m["perf/decode_slots"] == 128 and 0 < m["perf/decode_occupancy"] <= 1
+                              for m in decode)
 
 
 @pytest.mark.integration

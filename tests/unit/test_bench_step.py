@@ -24,6 +24,9 @@ def test_bench_step_cpu_json(tmp_path) -> None:
               "generate_static_tokens_per_s"):
         assert isinstance(res[k], float) and res[k] > 0, k
     assert res["response_tokens_mean"] <= 4 and res["prompt_tokens_mean"] > 10  # chat template + system prompt
+    # uniform lengths: every row of a step's batch runs to the same end
+    assert res["lengths"] == "uniform (4)" and res["critical_path_tokens"] == 4
+    assert res["decode_occupancy"] == 1.0 and res["decode_low_occupancy_s"] == 0
     assert 0 < res["hand_over_share_of_step"] < 1
     assert (tmp_path / "cache" / "qwen-vocab" / "tokenizer.json").is_file()
     prof = res["profile"]  # --profile: one generation call and one training step under torch.profiler
@@ -39,3 +42,20 @@ def test_bench_step_cuda_without_a_gpu() -> None:
         pytest.skip("this machine has a GPU")
     r = cli("bench", "step", "--device", "cuda", "--peers", "none", timeout=120)
     assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_step_cpu_with_a_length_mix(tmp_path) -> None:
+    """``--lengths lognormal``: each request's max_new_tokens drawn from the mix (the tiny random model rarely
+    samples EOS); the static batch of a step runs as long as its longest response, so its decode steps are not
+    full; the JSON reports the percentiles, the critical path and the occupancy of the timed steps."""
+    r = cli("bench", "step", "--device", "cpu", "--shape", "qwen3-tiny", "--steps", "2", "--warmup-steps", "1",
+            "--prompts", "3", "--samples", "2", "--lengths", "lognormal:mean=8,sigma=1.0,cap=24",
+            "--micro-batch-tokens", "512", "--peers", "none", "--cache", str(tmp_path / "cache"), "--json",
+            timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["lengths"] == "lognormal:mean=8,sigma=1,cap=24" and "24 new tokens at most" in res["batch"]
+    assert 1 <= res["response_length_p50"] <= res["response_length_p99"] <= res["critical_path_tokens"] <= 24
+    assert res["response_tokens_mean"] < res["critical_path_tokens"]
+    assert 0 < res["decode_occupancy"] < 1 and res["generation_tokens_per_s"] > 0

@@ -1,5 +1,6 @@
-"""The ``hf`` engine passes the engine conformance suite, on both of its decoders (its own sampling loop and
-``transformers.generate``), with a real tiny Qwen3 model built from config; plus what only an in-process engine has:
+"""The ``hf`` engine passes the engine conformance suite, on its decoders (its own sampling loop,
+``transformers.generate``, and the slot pool of an engine with its own thread: 6 slots, fewer than some tests'
+rows, so slots are reused), with a real tiny Qwen3 model built from config; plus what only an in-process engine has:
 the shared module of colocate, a bucket stream that lacks tensors, and an engine that loads its own model."""
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ def tokenizer() -> SimpleNamespace:
     return SimpleNamespace(eos_token_id=VOCAB, pad_token_id=0)  # EOS outside the vocabulary: never sampled
 
 
-@pytest.fixture(params=[("auto", True), ("generate", True), ("auto", False)],
-                ids=["loop", "generate", "loop-unthreaded"])
+@pytest.fixture(params=[("auto", True, 0), ("generate", True, 0), ("auto", False, 0), ("auto", True, 6)],
+                ids=["loop", "generate", "loop-unthreaded", "slots"])
 def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
-    decoder, threaded = request.param
+    decoder, threaded, slots = request.param
     model = tiny_model()
     engine = HFEngine(copy.deepcopy(model), tokenizer(), SamplingConfig(), batch_prompts=8, seed=0,
-                      decoder=decoder, threads=1, threaded=threaded)
+                      decoder=decoder, threads=1, threaded=threaded, slots=slots)
+    assert engine.slots == slots
     try:
         yield Harness(engine=engine, model=model, run_dir=RunDir.create(tmp_path / "run"), vocab=VOCAB,
                       concurrent=threaded)
