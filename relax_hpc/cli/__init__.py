@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "render": ("relax_hpc.cli.render", "print the sbatch script(s) of a recipe"),
     "sweep": ("relax_hpc.cli.sweep", "submit a hyper-parameter grid as one job array"),
     "sweep-status": ("relax_hpc.cli.sweep_status", "table of final metrics per sweep combination"),
+    "data": ("relax_hpc.cli.data", "list or make the data sets of the shipped recipes"),
     "bench": ("relax_hpc.cli.bench", "benchmarks that print figures (store, snapshots, trainer, pipeline, ...)"),
 }
 

@@ -17,7 +17,7 @@ from relax_hpc.roles.spec import role_names, trainer_side_names
 
 STATE_STYLES = {"running": "green", "starting": "cyan", "draining": "cyan", "paused": "yellow", "stopped": "dim",
                 "completed": "bold green", "waiting": "dim", "pending": "dim", "dead": "bold red", "failed": "red",
-                "stale": "red", "unknown": "magenta"}
+                "stale": "red", "unknown": "magenta", "interrupted": "yellow"}
 PROBLEM_STATES = ("dead", "failed", "unknown", "waiting", "paused")
 ROLE_ORDER = (*trainer_side_names(), *(n for n in role_names() if n not in trainer_side_names()))
 """Order of the role rows: the trainer-side roles first (from the role table)."""
