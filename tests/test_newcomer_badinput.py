@@ -55,7 +55,7 @@ def test_reward_returning_a_string_is_a_user_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("value", ["None", "[1.0]", "{'reward': 'high'}"])
 def test_reward_of_a_type_that_is_never_a_number_is_a_user_error(tmp_path: Path, value: str) -> None:
     (tmp_path / "r.py").write_text(f"def fn(response, answer):\n    return {value}\n")
-    with pytest.raises(ConfigError, match="not a number|returned"):
+    with pytest.raises(ConfigError, match=r"not a number|returned"):
         RewardRunner(RewardConfig(name=f"{tmp_path}/r.py:fn")).score(["1"], ["1"])
 
 
@@ -81,7 +81,7 @@ def test_environment_module_calling_sys_exit_at_import(tmp_path: Path) -> None:
     from relax_hpc.plugins import load_object
 
     (tmp_path / "e.py").write_text("raise SystemExit(1)\n")
-    with pytest.raises(ValueError, match="called sys.exit"):
+    with pytest.raises(ValueError, match=r"called sys\.exit"):
         load_object(f"{tmp_path}/e.py:Env", "environment")
 
 
