@@ -46,8 +46,9 @@ def mean(r: dict[int, float], first: int, last: int) -> float:
 def figures(run_dir: Path) -> dict[str, object]:
     r = rewards(run_dir)
     n = max(r)
-    out: dict[str, object] = {"steps": n, "first_step": r[1], "last_step": r[n], "first_10": mean(r, 1, 10),
-                              "last_50": mean(r, n - 49, n)}
+    out: dict[str, object] = {"steps": n, "first_step": r[1], "last_step": r[n], "first_10": mean(r, 1, min(n, 10))}
+    if n >= 50:
+        out["last_50"] = mean(r, n - 49, n)
     if n >= 300:
         out["steps_251_300"] = mean(r, 251, 300)
     return out
