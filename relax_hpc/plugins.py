@@ -17,7 +17,7 @@ def load_object(target: str, kind: str) -> Any:
     if not mod or not attr:
         raise ValueError(f"{kind} {target!r} is not of the form module:name or path/to/file.py:name")
     try:
-        module = import_file(mod, kind) if mod.endswith(".py") else importlib.import_module(mod)
+        module = import_user_module(mod, kind)
     except ValueError:
         raise
     except Exception as exc:
@@ -26,6 +26,15 @@ def load_object(target: str, kind: str) -> Any:
     if obj is None:
         raise ValueError(f"{kind} {target!r}: {mod} has no attribute {attr!r}")
     return obj
+
+
+def import_user_module(mod: str, kind: str) -> Any:
+    """The module ``mod`` (a dotted name, or a ``path.py`` through :func:`import_file`). A module that calls
+    ``sys.exit()`` (or raises SystemExit) while it is imported is one ``ValueError``, not the end of the caller."""
+    try:
+        return import_file(mod, kind) if mod.endswith(".py") else importlib.import_module(mod)
+    except SystemExit as exc:
+        raise ValueError(f"{kind} module {mod} called sys.exit({exc.code!r}) while it was imported") from None
 
 
 def import_file(mod: str, kind: str) -> Any:

@@ -4,5 +4,5 @@
 #   bash tools/demo.sh --set mode=fully_async   # trainer + 2 rollout workers
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash tools/install.sh
-exec python3 -m relax_hpc submit recipes/demo.yaml --executor local "$@"
+bash tools/install.sh --demo  # the package and its train extra (torch CPU, transformers): nothing for tests
+exec "${PYTHON:-python3}" -m relax_hpc submit recipes/demo.yaml --executor local "$@"

@@ -1,11 +1,13 @@
 """The demo's figures, from the run dirs of ``bash tools/demo.sh`` (colocate) and ``bash tools/demo.sh --set
-mode=fully_async``: the numbers of the README's demo table, kept in ``tests/golden/demo_figures.json``.
+mode=fully_async``: the numbers of the README's demo table, kept in ``tests/unit/golden/demo_figures.json``.
 
   python tools/demo_figures.py --colocate RUN_DIR --fully-async RUN_DIR [--wall-colocate S --wall-fully-async S]
                                [--no-warmup RUN_DIR] [--write]
 
 Prints the table rows; ``--write`` stores the figures (and the colocate run's first rewards, which
-``tests/test_newcomer_docs.py`` compares with a short run of the code as it is) in the golden file. The colocate
+``tests/integration/test_readme_commands.py`` compares with a short run of the code as it is) in the golden file and
+rewrites the
+README's table from them (between its ``demo-table`` markers). The colocate
 reward series is deterministic on the CPU (same seed, same series); fully_async depends on timing.
 """
 
@@ -18,7 +20,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "tests" / "golden" / "demo_figures.json"
+GOLDEN = ROOT / "tests" / "unit" / "golden" / "demo_figures.json"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- demo-table: tools/demo_figures.py -->", "<!-- /demo-table -->"
 FIRST = 10
 """The colocate run's first RL rewards stored in full (a short run must reproduce them exactly)."""
 
@@ -43,8 +47,9 @@ def mean(r: dict[int, float], first: int, last: int) -> float:
 def figures(run_dir: Path) -> dict[str, object]:
     r = rewards(run_dir)
     n = max(r)
-    out: dict[str, object] = {"steps": n, "first_step": r[1], "last_step": r[n], "first_10": mean(r, 1, 10),
-                              "last_50": mean(r, n - 49, n)}
+    out: dict[str, object] = {"steps": n, "first_step": r[1], "last_step": r[n], "first_10": mean(r, 1, min(n, 10))}
+    if n >= 50:
+        out["last_50"] = mean(r, n - 49, n)
     if n >= 300:
         out["steps_251_300"] = mean(r, 251, 300)
     return out
@@ -87,8 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(fig)))
     if a.write:
         GOLDEN.write_text(json.dumps(fig, indent=1) + "\n")
-        print(f"wrote {GOLDEN}", file=sys.stderr)
+        README.write_text(with_table(README.read_text(), table(fig)))
+        print(f"wrote {GOLDEN} and the table in {README}", file=sys.stderr)
     return 0
+
+
+def with_table(text: str, rows: list[str]) -> str:
+    """``text`` (the README) with the rows between its demo-table markers replaced."""
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise SystemExit(f"error: {README} has no {BEGIN} ... {END} markers")
+    return head + BEGIN + "\n" + "\n".join(rows) + "\n" + END + tail
+
+
+def readme_table(text: str) -> list[str]:
+    """The rows between the README's demo-table markers."""
+    return text.partition(BEGIN)[2].partition(END)[0].strip().splitlines()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 # Install relax-hpc (editable, from this checkout) and what its demo and tests need, on a fresh machine (CPU).
 # Idempotent: where everything is already there, pip only re-points the package at this checkout.
 #   bash tools/install.sh            # package + train/monitor/dev/megatron extras, CPU torch pinned
+#   bash tools/install.sh --demo     # only what the demo needs: the package + the train extra (tools/demo.sh)
 #   bash tools/install.sh --vllm     # also the vLLM (CPU) server's own virtual environment, see below
 #   bash tools/install.sh --vllm-only  # only that virtual environment
 #
@@ -14,16 +15,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 WITH_VLLM=0
 WITH_MAIN=1
+EXTRAS=train,monitor,dev,megatron
 for arg in "$@"; do
   case "$arg" in
     --vllm) WITH_VLLM=1 ;;
     --vllm-only) WITH_VLLM=1; WITH_MAIN=0 ;;
-    *) echo "install.sh: unknown argument $arg (known: --vllm, --vllm-only)" >&2; exit 2 ;;
+    --demo) EXTRAS=train ;;
+    *) echo "install.sh: unknown argument $arg (known: --demo, --vllm, --vllm-only)" >&2; exit 2 ;;
   esac
 done
 if [ "$WITH_MAIN" = 1 ]; then
-echo "[install] pip install -e .[train,monitor,dev,megatron] (constraints: tools/constraints-cpu.txt)"
-"$PY" -m pip install -q --disable-pip-version-check -c tools/constraints-cpu.txt -e ".[train,monitor,dev,megatron]"
+echo "[install] pip install -e .[$EXTRAS] (constraints: tools/constraints-cpu.txt)"
+"$PY" -m pip install -q --disable-pip-version-check -c tools/constraints-cpu.txt -e ".[$EXTRAS]"
 (cd / && "$PY" -c "import torch, relax_hpc; print(f'[install] relax-hpc {relax_hpc.__version__} from \
 {relax_hpc.__path__[0]}, torch {torch.__version__}')")
 fi

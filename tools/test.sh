@@ -1,11 +1,33 @@
 #!/usr/bin/env bash
 # The test suite on a fresh machine: install, start a single-machine Slurm cluster (as root), run pytest.
-#   bash tools/test.sh [pytest args]
+#   bash tools/test.sh [--vllm] [pytest args]
 # Without root (no Slurm install possible), Slurm tests are skipped unless RELAX_REQUIRE_SLURM=1; likewise the
-# network-filesystem tests unless RELAX_REQUIRE_NETFS=1.
+# network-filesystem tests unless RELAX_REQUIRE_NETFS=1. As root, RELAX_NO_SLURM=1 / RELAX_NO_NETFS=1 skip starting
+# Slurm (and MariaDB) / the sshfs mounts. The vLLM server venv (3.5 GB, tools/install.sh --vllm) is built only when
+# the run selects the tests that use it: no test files named (the whole suite), a folder, or a file of those tests
+# (*vllm*, test_genrm_runs, test_server_media); --vllm builds it anyway, RELAX_NO_VLLM=1 never.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash tools/install.sh --vllm  # with the vLLM server venv: the vllm engine tests run real servers
+VLLM=auto
+if [ "${1:-}" = --vllm ]; then VLLM=1; shift; fi
+if [ "$VLLM" = auto ]; then
+  VLLM=1 paths=0 skip=0
+  for a in "$@"; do  # the pytest arguments that name tests (not options, not their values)
+    if [ "$skip" = 1 ]; then skip=0; continue; fi
+    case "$a" in
+      -k|-m|-p|-c|-o|-W|-n|--basetemp|--deselect|--ignore|--rootdir|--maxfail|--durations|--tb) skip=1 ;;
+      -*) ;;
+      *) [ "$paths" = 0 ] && VLLM=0; paths=1
+         case "$a" in *vllm*|*genrm_runs*|*server_media*) VLLM=1 ;; *.py|*.py::*) ;; *) VLLM=1 ;; esac ;;
+    esac
+  done
+fi
+[ "${RELAX_NO_VLLM:-0}" = 1 ] && VLLM=0
+if [ "$VLLM" = 1 ]; then
+  bash tools/install.sh --vllm  # with the vLLM server venv: the vllm engine tests run real servers
+else
+  bash tools/install.sh
+fi
 if [ "$(id -u)" = 0 ] && [ "${RELAX_NO_SLURM:-0}" != 1 ]; then
   bash tools/slurm_local.sh start
   export RELAX_SLURM_ENV=${RELAX_SLURM_DIR:-/tmp/relax-slurm}/slurm.env

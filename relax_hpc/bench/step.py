@@ -23,9 +23,12 @@ callback. ``--profile DIR`` also writes torch.profiler tables of a few decode st
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -379,10 +382,27 @@ def print_text(res: dict[str, Any]) -> None:
     print(f"{'machine':34s} {res.get('machine')}")
 
 
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout meanwhile to stderr, Python's ``print`` and the C level (fd 1) alike: the
+    peers (TRL, transformers) print log lines, and ``--json`` output must be the JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     dirs = ScratchDirs(a.out, keep=a.keep, prefix="relax-bench-step-")
-    res = run_guarded(lambda: measure(a, dirs), dirs)
+    with stdout_to_stderr() if a.json else contextlib.nullcontext():
+        res = run_guarded(lambda: measure(a, dirs), dirs)
     if isinstance(res, int):
         return res
     return report(res, dirs, as_json=a.json, text=print_text)

@@ -2,7 +2,8 @@
 
 The scripts are what ``relax-hpc submit --executor slurm`` submits: read them, edit them, submit them by hand with
 ``sbatch``. They run the role entry points on ``RUN_DIR``, which must hold ``config.json``:
-``relax-hpc submit RECIPE --executor slurm --dry-run --run-dir DIR`` writes it (and the scripts) without submitting.
+``relax-hpc submit RECIPE --executor slurm --dry-run --run-dir DIR`` writes it (and the scripts) without submitting,
+on any machine (no Slurm needed: scripts can be prepared on a workstation).
 """
 
 from __future__ import annotations
@@ -40,5 +41,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {w}", file=sys.stderr)
     if not rd.config.is_file():
         print(f"note: the scripts read {rd.config}; `relax-hpc submit {args.recipe} --executor slurm --dry-run "
-              f"--run-dir {rd.root}` writes it", file=sys.stderr)
+              f"--run-dir {rd.root}` writes it and the scripts (no Slurm needed here)", file=sys.stderr)
     return 0

@@ -4,6 +4,7 @@ checkpoint and the rollout workers rejoin at the latest weights."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,12 +17,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--detach", action="store_true", help="return after launching a local run")
 
 
+def resume_point(rd: Any) -> str:
+    """Where the trainer will resume: the step and folder of the newest complete checkpoint, or the start."""
+    from relax_hpc.fsio import read_json
+    from relax_hpc.trainer.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(rd)
+    if ckpt is None:
+        return "no complete checkpoint yet: the trainer starts again from step 0 (and runs its warm-up)"
+    try:
+        step = read_json(ckpt / "state.json", expect=dict).get("step")
+    except (OSError, ValueError):
+        step = None
+    if not isinstance(step, int):
+        step = int(ckpt.name.rpartition("_")[2]) if ckpt.name.rpartition("_")[2].isdigit() else "?"
+    return f"resuming from step {step} (checkpoint {ckpt})"
+
+
 def run(args: argparse.Namespace) -> int:
+    import time
+
     from relax_hpc.launch.resume import resume_run
     from relax_hpc.rundir import RunDir
 
     rd = RunDir.open(args.run_dir)
+    t0, point = time.time(), resume_point(rd)  # before the trainer starts (it may checkpoint again)
     result = resume_run(rd, executor=args.executor, dry_run=args.dry_run)
+    print(point)
     if isinstance(result, dict):
         for job in result.get("jobs", []):
             print(f"submitted job {job['job_id']} ({job['kind']})")
@@ -38,4 +60,4 @@ def run(args: argparse.Namespace) -> int:
     from relax_hpc.launch.follow import follow_local
     from relax_hpc.roles import load_run_config
 
-    return follow_local(rd, load_run_config(rd), result)
+    return follow_local(rd, load_run_config(rd), result, since=t0)

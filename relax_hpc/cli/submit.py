@@ -50,11 +50,12 @@ def prepare_run_dir(args: argparse.Namespace, cfg: Any = None, *, resume: bool =
     return run_dir, cfg
 
 
-def pick_executor(want: str) -> str:
-    """``auto``: Slurm when sbatch is on PATH and the controller answers; else local processes."""
+def pick_executor(want: str, *, dry_run: bool = False) -> str:
+    """``auto``: Slurm when sbatch is on PATH and the controller answers; else local processes. A dry run on Slurm
+    only renders the scripts, so it needs no Slurm here."""
     from relax_hpc.errors import UserError
 
-    if want == "local":
+    if want == "local" or (want == "slurm" and dry_run):
         return want
     if shutil.which("sbatch") is None:
         if want == "slurm":
@@ -78,11 +79,12 @@ def run(args: argparse.Namespace) -> int:
     from relax_hpc.trainer.checks import check_trainer
 
     check_trainer(cfg)
-    executor = pick_executor(args.executor or cfg.launch.executor)
+    executor = pick_executor(args.executor or cfg.launch.executor, dry_run=args.dry_run)
     from relax_hpc.config.preflight import preflight, start_warnings
 
-    preflight(cfg, executor=executor)  # before any process starts or the run dir is created
-    for warning in start_warnings(cfg):
+    # before any process starts or the run dir is created; a dry run for Slurm runs elsewhere: warnings only
+    for warning in [*preflight(cfg, executor=executor, lenient=args.dry_run and executor == "slurm"),
+                    *start_warnings(cfg)]:
         print(f"warning: {warning}", file=sys.stderr)
     run_dir, cfg = prepare_run_dir(args, cfg)
     print(f"run dir: {run_dir.root}")

@@ -1,4 +1,8 @@
-"""``relax-hpc validate RECIPE [--set k=v ...]``: exit 0, or 2 with one line per problem."""
+"""``relax-hpc validate RECIPE [--set k=v ...]``: exit 0, or 2 with one line per problem.
+
+A problem of the recipe (schema, model folder, data rows) is an error. A problem of this machine (no GPU, the data
+not made yet) is an error for a local run and a warning with ``--executor slurm``: the job runs elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -25,10 +29,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
     check_trainer(cfg)  # the backend's own checks (megatron: the layout against the model)
     if not args.no_preflight:
-        from relax_hpc.config.preflight import preflight, start_warnings
+        from relax_hpc.config.preflight import preflight, resolve_executor, start_warnings
 
-        preflight(cfg, executor=args.executor or cfg.launch.executor)
-        for warning in start_warnings(cfg):
+        # what this machine lacks (a GPU, the data) is an error for a local run, a warning for a Slurm one
+        executor = resolve_executor(args.executor or cfg.launch.executor)
+        for warning in [*preflight(cfg, executor=executor, lenient=executor == "slurm"), *start_warnings(cfg)]:
             print(f"warning: {warning}", file=sys.stderr)
     if args.print_config:
         print(json.dumps(config_to_json(cfg), indent=2))

@@ -20,6 +20,11 @@ from relax_hpc.errors import UserError
 
 log = logging.getLogger(__name__)
 
+
+class CannotRunHere(UserError):
+    """A problem of the machine, not of the recipe: no GPU here, the data not made (or not mounted) yet. A refusal
+    for a local run; a warning for ``validate --executor slurm`` and ``submit --dry-run`` (the job runs elsewhere)."""
+
 PEEK_ROWS = 64
 """Rows of the data checked for the prompt and answer keys."""
 FULL_READ_BYTES = 64 << 20
@@ -70,8 +75,7 @@ def check_tokenizer(model: ModelConfig) -> Any:
     from relax_hpc.models.load import load_tokenizer
 
     name = model.tokenizer or model.path
-    if not name.startswith("builtin:") and name != "tiny" and not _is_local_path(name) and not _cached(name):
-        log.info("preflight: tokenizer %s is a hub name not in the local cache; not checked here", name)
+    if unchecked_hub_name(model) is not None:
         return None
     try:
         return load_tokenizer(model)
@@ -80,6 +84,30 @@ def check_tokenizer(model: ModelConfig) -> Any:
     except Exception as exc:  # transformers raises many types for a corrupt tokenizer folder
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise UserError(f"model.tokenizer: cannot load tokenizer {name!r} ({type(exc).__name__}: {first})") from None
+
+
+def unchecked_hub_name(model: ModelConfig) -> str | None:
+    """A warning when the model or tokenizer is a hub name this machine has not cached (its spelling cannot be
+    checked offline), else None."""
+    names = dict.fromkeys(n for n in (model.path, model.tokenizer or model.path) if n)
+    for name in names:
+        if not name.startswith("builtin:") and name != "tiny" and not _is_local_path(name) and not _cached(name):
+            return (f"model: {name!r} is a hub name not in this machine's cache, so it is not checked (a misspelt "
+                    "name fails only when the roles download it; for nodes without internet see docs/cluster.md)")
+    return None
+
+
+def missing_data(path: str) -> str:
+    """The line for a ``data.path`` that does not exist: where it was looked for and how the data is made."""
+    from relax_hpc.data.make import data_hint
+
+    p = Path(path).expanduser()
+    where = f"data.path: {p.resolve() if not p.is_absolute() else p} does not exist"
+    if not p.is_absolute():  # recipe paths are made absolute against the recipe's folder; this one came from --set
+        where += (f" (a relative path given with --set is taken from the current directory, {Path.cwd()}; "
+                  "relative paths in the recipe from the recipe's folder)")
+    hint = data_hint(p.resolve())
+    return f"{where}; {hint}" if hint else where
 
 
 def _first_rows(path: str) -> list[Any]:
@@ -109,6 +137,8 @@ def check_data(data: DataConfig, tokenizer: Any) -> None:
         return
     from relax_hpc.data.dataset import _field
 
+    if not Path(data.path).expanduser().exists():
+        raise CannotRunHere(missing_data(data.path))
     rows = _first_rows(data.path)
     if not rows:
         raise UserError(f"data.path: {data.path} holds no rows")
@@ -144,13 +174,26 @@ def check_devices(cfg: RecipeConfig, executor: str) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise UserError(f"{section}.device is cuda but this machine has no CUDA device (local executor); use "
+            raise CannotRunHere(f"{section}.device is cuda but this machine has no CUDA device (local executor); use "
                             f"device: auto or cpu, or run on Slurm with GPUs")
 
 
-def preflight(cfg: RecipeConfig, *, executor: str) -> None:
-    """Every check above, in order of cost. Raises :class:`UserError` (one line) on the first problem."""
-    check_devices(cfg, resolve_executor(executor))
+def preflight(cfg: RecipeConfig, *, executor: str, lenient: bool = False) -> list[str]:
+    """Every check above, in order of cost. Raises :class:`UserError` (one line) on the first problem; with
+    ``lenient``, a :class:`CannotRunHere` problem is returned as a warning instead (the job runs elsewhere).
+    Returns the warnings (a hub name that cannot be checked offline, and those problems)."""
+    warnings: list[str] = []
+
+    def soft(check: Any, *args: Any) -> Any:
+        try:
+            return check(*args)
+        except CannotRunHere as exc:
+            if not lenient:
+                raise
+            warnings.append(f"cannot run on this machine: {exc}")
+            return None
+
+    soft(check_devices, cfg, resolve_executor(executor))
     check_model_folder(cfg.model.path, "model.path")
     if isinstance(cfg.algorithm, DistillAlgorithmConfig):
         teacher = cfg.algorithm.distill.teacher
@@ -160,7 +203,11 @@ def preflight(cfg: RecipeConfig, *, executor: str) -> None:
         check_model_folder(teacher, "algorithm.distill.teacher")
     builtin = cfg.model.path == "tiny" and not cfg.model.tokenizer
     tokenizer = None if builtin and cfg.data.path is None else check_tokenizer(cfg.model)
-    check_data(cfg.data, tokenizer)
+    hub = unchecked_hub_name(cfg.model)
+    if hub is not None:
+        warnings.append(hub)
+    soft(check_data, cfg.data, tokenizer)
+    return warnings
 
 
 GROUP_ALGORITHMS = ("grpo", "gspo", "sapo")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.lifecycle import EXIT_REQUEUE
 from relax_hpc.roles.spec import main_proc
 from relax_hpc.rundir import RunDir
 
@@ -14,7 +17,7 @@ from relax_hpc.rundir import RunDir
 class ProgressFeed:
     """Tails the trainer's event log; renders step / total, reward and step time."""
 
-    def __init__(self, run_dir: RunDir, cfg: RecipeConfig):
+    def __init__(self, run_dir: RunDir, cfg: RecipeConfig, *, since: float | None = None):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -28,6 +31,8 @@ class ProgressFeed:
                                  TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console,
                                  transient=False)
         self.task = self.progress.add_task(cfg.name, total=cfg.num_steps, info="starting ...")
+        self.since = since  # records older than this (a resumed run's earlier incarnations) are not shown
+        self.errors: list[str] = []  # the roles' "failed" events (a user error: one line each)
         self.first_reward: float | None = None
         self.last: dict[str, Any] = {}
         self.run_dir = run_dir
@@ -37,7 +42,11 @@ class ProgressFeed:
 
     def tick(self) -> None:
         for proc, rec in self.tail.read():
-            if rec.get("kind") == "metrics" and proc == self.main_proc and rec.get("step") is not None:
+            if self.since is not None and float(rec.get("time") or 0.0) < self.since:
+                continue
+            if rec.get("kind") == "event" and rec.get("event") == "failed" and rec.get("level") == "error":
+                self.errors.append(f"{proc}: {rec.get('message')}")
+            elif rec.get("kind") == "metrics" and proc == self.main_proc and rec.get("step") is not None:
                 m = rec.get("metrics", {})
                 if "warmup/loss" in m:
                     self.console.print(f"supervised warm-up done: loss {m['warmup/loss']:.3f}")
@@ -78,17 +87,41 @@ class ProgressFeed:
         self.progress.stop()
 
 
-def follow_local(run_dir: RunDir, cfg: RecipeConfig, procs: list[Any]) -> int:
+INTERRUPTED_CODES = (EXIT_REQUEUE, 130, 128 + signal.SIGTERM)
+"""Exit codes of a local run stopped by Ctrl-C, SIGTERM or ``relax-hpc cancel`` (the roles checkpointed)."""
+
+
+def run_state(code: int) -> str:
+    """``completed``, ``interrupted`` (Ctrl-C / SIGTERM / cancel: resumable) or ``failed``, from the exit code."""
+    return "completed" if code == 0 else "interrupted" if code in INTERRUPTED_CODES else "failed"
+
+
+def _interrupt_on_sigterm() -> Any:
+    """SIGTERM to the launcher stops the run as Ctrl-C does (the roles checkpoint); returns the old handler."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def follow_local(run_dir: RunDir, cfg: RecipeConfig, procs: list[Any], *, since: float | None = None) -> int:
+    """Supervise a local run until it ends; write ``STATUS.json`` and print how it ended. ``since``: show only
+    records written from then on (a resumed run)."""
     from relax_hpc.fsio import atomic_write_json
     from relax_hpc.launch.local import supervise
 
-    feed = ProgressFeed(run_dir, cfg)
+    feed = ProgressFeed(run_dir, cfg, since=since)
     t0 = time.time()
+    old = _interrupt_on_sigterm()
     try:
         code = supervise(run_dir, cfg, procs, on_tick=feed.tick)
     finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
         feed.close()
-    state = "completed" if code == 0 else "preempted" if code == 3 else "failed"
+    state = run_state(code)
     if not run_dir.status_file.exists() or state != "completed":
         atomic_write_json(run_dir.status_file, {"state": state, "exit_code": code, "time": time.time()})
     r0, r1 = feed.first_reward, feed.last.get("rollout/reward")
@@ -97,7 +130,12 @@ def follow_local(run_dir: RunDir, cfg: RecipeConfig, procs: list[Any]) -> int:
         if r0 is not None and r1 is not None:
             msg += f": mean reward {r0:.3f} (first step) -> {r1:.3f} (last step)"
         print(msg)
+    elif state == "interrupted":
+        print(f"run interrupted (exit code {code}): the roles checkpointed; continue with `relax-hpc resume "
+              f"{run_dir.root}`", file=sys.stderr)
     else:
+        for line in dict.fromkeys(feed.errors):  # a user error of a role: its one line
+            print(f"error: {line}", file=sys.stderr)
         print(f"run {state} (exit code {code}); logs: {run_dir.logs}", file=sys.stderr)
     print(f"run dir: {run_dir.root}")
     return code
@@ -123,5 +161,9 @@ def follow_slurm(run_dir: RunDir, cfg: RecipeConfig, *, poll_s: float = 2.0) -> 
                   file=sys.stderr)
     finally:
         feed.close()
-    print(f"run {'completed' if done else 'failed'}; run dir: {run_dir.root}")
+    from relax_hpc.fsio import read_json
+
+    final = read_json(run_dir.status_file, default=None)
+    cancelled = isinstance(final, dict) and final.get("state") == "interrupted"
+    print(f"run {'completed' if done else 'interrupted' if cancelled else 'failed'}; run dir: {run_dir.root}")
     return 0 if done else 1

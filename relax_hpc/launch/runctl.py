@@ -259,4 +259,8 @@ def cancel_run(run_dir: RunDir | Path | str, *, timeout_s: float = 30.0, wait: b
                     out["killed_pids"].append(int(p["pid"]))
     rec["cancelled"] = time.time()
     atomic_write_json(rd.launch_record, rec)
+    ended = not out["still_active"] and not any(proc_alive(p) for p in procs)
+    if wait and ended and (out["cancelled_jobs"] or out["signalled_pids"]) and not rd.status_file.exists():
+        # the roles checkpointed on SIGTERM: resumable, not failed (a launcher still following writes the same)
+        atomic_write_json(rd.status_file, {"state": "interrupted", "by": "cancel", "time": time.time()})
     return out

@@ -97,9 +97,12 @@ def prepare(recipe: Path | str, grid_items: Sequence[str], sweep_dir: Path | str
     manifest = {"recipe": str(Path(recipe).absolute()), "overrides": list(overrides),
                 "grid": parse_grid(grid_items), "executor": executor, "parallel": parallel,
                 "created": time.time(), "runs": runs}
-    for sub in (sd.root, sd.runs, sd.slurm, sd.logs):
-        sub.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(sd.manifest, manifest)
+    try:
+        for sub in (sd.root, sd.runs, sd.slurm, sd.logs):
+            sub.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(sd.manifest, manifest)
+    except OSError as exc:  # a read-only mount, no permission, a full disk: one line, not a traceback
+        raise UserError(f"--sweep-dir: cannot write {sd.root}: {exc.strerror or exc}") from None
     return sd, manifest, cfgs
 
 

@@ -1,4 +1,4 @@
-"""Training curves of a run or a sweep as one PNG: reward, loss, throughput, staleness, idle fractions over steps.
+"""Training curves of a run or a sweep as one PNG: reward, loss, throughput, staleness, trainer idle fraction.
 
 The trainer's metric records (``trainer-0`` or ``colocate-0``) are read in full; a step logged twice (a resumed run
 re-doing steps after its checkpoint) keeps its last value. Long curves are drawn faint with a centred moving
@@ -24,9 +24,10 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("samples / s", (("perf/samples_per_s", ""),)),
     ("tokens / s", (("perf/tokens_per_s", ""),)),
     ("staleness (policy versions)", (("rollout/staleness_mean", ""),)),
-    ("idle fraction", (("perf/train_idle_fraction", "trainer"), ("perf/rollout_idle_fraction", "rollout"))),
+    ("trainer idle fraction (fully_async)", (("perf/train_idle_fraction", "trainer"),)),
 )
-"""Panel title -> (metric name, series label) of each curve in it."""
+"""Panel title -> (metric name, series label) of each curve in it: metrics the trainer's log holds (a rollout
+worker's pauses are in its own log, ``perf/rollout_pause_time``, shown by ``relax-hpc monitor``)."""
 LINESTYLES: tuple[Any, ...] = ("-", "--", ":", "-.")
 SMOOTH_MIN_POINTS = 20
 """Curves with at least this many points get a moving-average line over a faint raw line."""
@@ -137,7 +138,7 @@ def plot_histories(histories: list[History], out: Path | str | None = None, *, t
         ax.ticklabel_format(axis="y", useOffset=False)
         if not drawn:
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")
-        if panel.startswith("idle"):
+        if "idle fraction" in panel:
             ax.set_ylim(0, min(1.02, max(0.1, top * 1.2)))  # a fraction: from 0, but not squashed flat
             if drawn:
                 ax.legend(handles=[Line2D([], [], color="black" if sweep else colors[0], linestyle=st, label=s)

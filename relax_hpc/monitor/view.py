@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from rich import box
+from rich.columns import Columns
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
@@ -17,7 +18,7 @@ from relax_hpc.roles.spec import role_names, trainer_side_names
 
 STATE_STYLES = {"running": "green", "starting": "cyan", "draining": "cyan", "paused": "yellow", "stopped": "dim",
                 "completed": "bold green", "waiting": "dim", "pending": "dim", "dead": "bold red", "failed": "red",
-                "stale": "red", "unknown": "magenta"}
+                "stale": "red", "unknown": "magenta", "interrupted": "yellow"}
 PROBLEM_STATES = ("dead", "failed", "unknown", "waiting", "paused")
 ROLE_ORDER = (*trainer_side_names(), *(n for n in role_names() if n not in trainer_side_names()))
 """Order of the role rows: the trainer-side roles first (from the role table)."""
@@ -94,17 +95,20 @@ def _header(snap: dict[str, Any]) -> RenderableType:
         eta.append(f"   last progress {fmt_duration(snap['time'] - since)} ago", style="dim")
     top = Table.grid(padding=0)
     top.add_row(line, bar, eta)
-    metrics = Table.grid(padding=(0, 1))
     agent = any(snap.get(key) is not None for _, key in AGENT_ROW)
+    lines: list[RenderableType] = []
     for group in (*METRIC_ROWS, AGENT_ROW) if agent else METRIC_ROWS:
-        row: list[RenderableType] = []
-        for label, key in group:
+        cells: list[RenderableType] = []
+        for label, key in group:  # "label value" cells that flow onto more lines when narrow, never cut
             v = snap.get(key)
-            value = Text(fmt_num(v), style="bold red" if key == "loss" and _nonfinite(v) else "bold")
+            cell = Text(label, style="dim", no_wrap=True)
+            cell.append(" ")
+            cell.append(fmt_num(v), style="bold red" if key == "loss" and _nonfinite(v) else "bold")
             if key == "reward_mean":
-                value.append_text(trend_text(snap.get("reward_trend")))
-            row.extend([Text(label, style="dim"), value])
-        metrics.add_row(*row, *[Text("")] * (10 - len(row)))
+                cell.append_text(trend_text(snap.get("reward_trend")))
+            cells.append(cell)
+        lines.append(Columns(cells, padding=(0, 3)))
+    metrics = Group(*lines)
     title = Text.assemble(("relax-hpc ", "bold"), (str(snap.get("name") or "run"), "bold cyan"), "  ",
                           (str(snap.get("run_id") or ""), "dim"), "  ", (str(snap.get("mode") or ""), ""), "  ",
                           state_text(snap.get("state")))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -23,12 +21,9 @@ def _load(target: str) -> Callable[..., Any]:
     mod, _, attr = target.rpartition(":")
     if not mod or not attr:
         raise ValueError(f"reward {target!r} is neither built-in ({', '.join(sorted(BUILTIN))}) nor module:function")
-    if mod.endswith(".py"):
-        from relax_hpc.plugins import import_file
+    from relax_hpc.plugins import import_user_module
 
-        module = import_file(mod, "reward")
-    else:
-        module = importlib.import_module(mod)
+    module = import_user_module(mod, "reward")
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(f"reward {target!r}: {mod} has no attribute {attr!r}")

@@ -1,10 +1,12 @@
 """Score a batch of responses with the recipe's reward function, whatever its kind, without ever crashing the run.
 
-A reward that raises, times out, or returns NaN/inf/a non-number counts as an error (``reward/errors``); its sample
+A reward that raises, times out, or returns NaN/inf counts as an error (``reward/errors``); its sample
 then scores 0 (``on_error: zero``) or is marked in :attr:`RewardResult.dropped` so that the caller drops its whole group
 (``on_error: drop``). Sync functions run in the calling thread one sample at a time (no timeout: a sync function
 has to bound its own time, as ``math_answer`` does); async functions run concurrently on an event loop under
-``reward.timeout_s`` for the whole batch; samples not done by then fail with a timeout.
+``reward.timeout_s`` for the whole batch; samples not done by then fail with a timeout. A function that returns
+something that is never a number (a string, None, a list) is a user error: :meth:`RewardRunner.score` raises
+:class:`~relax_hpc.errors.ConfigError`, and the run stops with that one line (exit 2).
 
 A function that takes the ``context`` parameter (a :class:`~relax_hpc.rewards.api.RewardContext`: the rollout's
 engine and tokenizer) gets the runner's context; an async one of those is :attr:`RewardRunner.on_loop`: its caller
@@ -77,6 +79,11 @@ class _Bad(Exception):
     """A reward value that is not usable; the message is the reason recorded."""
 
 
+class _NotANumber(_Bad):
+    """A reward value of a type that is never a number (a string, None, a list ...): the function is wrong, not
+    the sample, so every sample would score 0 and the run learn nothing. The run stops on it (a user error)."""
+
+
 def _number(value: Any, what: str) -> float:
     if isinstance(value, (bool, np.bool_)):
         return float(value)
@@ -85,7 +92,8 @@ def _number(value: Any, what: str) -> float:
         if not math.isfinite(x):
             raise _Bad(f"{what} is {x}")
         return x
-    raise _Bad(f"{what} is a {type(value).__name__}, not a number")
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    raise _NotANumber(f"{what} is a {type(value).__name__} ({shown}), not a number")
 
 
 def _coerce(value: Any) -> tuple[float, dict[str, float]]:
@@ -131,7 +139,8 @@ class RewardRunner:
     # ------------------------------------------------------------------------------------------------ public
     def score(self, responses: Sequence[str], answers: Sequence[Any],
               metas: Sequence[dict[str, Any]] | None = None) -> RewardResult:
-        """Score ``responses[i]`` against ``answers[i]``. Never raises because of the reward function."""
+        """Score ``responses[i]`` against ``answers[i]``. Raises only for a function that returns something that is
+        never a number (a :class:`ConfigError`); any other failure of the function counts per sample."""
         metas = _checked_metas(responses, answers, metas)
         n = len(responses)
         if n == 0:
@@ -244,6 +253,10 @@ class RewardRunner:
                 if isinstance(value, BaseException):
                     raise value
                 reward, named = _coerce(value)
+            except _NotANumber as exc:
+                what, _, got = str(exc).removesuffix(", not a number").partition(" is ")
+                raise ConfigError(f"reward.name: {self.cfg.name} returned {got} as {what} for a sample: a reward "
+                                  "is a float (or a dict with a float under 'reward')") from None
             except _Bad as exc:
                 failed[i], reasons[i] = True, str(exc)
                 continue

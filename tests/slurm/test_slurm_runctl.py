@@ -66,7 +66,7 @@ def test_local_status_and_cancel(tmp_path: Path) -> None:
         assert polite.wait(timeout=10) == -15 and stubborn.wait(timeout=10) == -9
         assert time.monotonic() - t0 < 10
         assert stranger.poll() is None  # never signalled
-        assert run_status(rd)["state"] == "stopped"
+        assert run_status(rd)["state"] == "interrupted"  # cancelled: resumable, not failed
     finally:
         for p in (polite, stubborn, stranger):
             if p.poll() is None:

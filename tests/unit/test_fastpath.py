@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from relax_hpc.weights import SnapshotPublisher
 from relax_hpc.weights.fastpath import FastPathClient, FastPathServer
 
 WORKER = textwrap.dedent("""
-    import json, sys, torch
+    import json, sys, time, torch
     from relax_hpc.config.schema import TinyModelConfig
     from relax_hpc.models.tiny import build_tiny_model
     from relax_hpc.rundir import RunDir
@@ -32,10 +33,12 @@ WORKER = textwrap.dedent("""
     got = []
     for want in (1, 2):
         v = None
-        for _ in range(200):
+        deadline = time.monotonic() + 60  # the trainer may publish late (a loaded machine): wait by time, not tries
+        while time.monotonic() < deadline:
             v = client.pull(got[-1] if got else -1, fast_model)
             if v is not None and v >= want:
                 break
+            time.sleep(0.01)
         got.append(v)
         SnapshotReader(rd, name="rollout-0").load_into(file_model, v)
         same = all(torch.equal(a, b) for a, b in zip(fast_model.state_dict().values(),
@@ -46,7 +49,10 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def test_fast_path_matches_snapshot_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("late_s", [0.0, 1.0])
+def test_fast_path_matches_snapshot_bit_for_bit(tmp_path: Path, late_s: float) -> None:
+    """``late_s``: the trainer hands over the next version that long after the worker starts waiting for it (a loaded
+    machine). The worker used to give up after 200 pulls that do not wait (a few ms), keeping version 1."""
     rd = RunDir.create(tmp_path / "run")
     model = build_tiny_model(TinyModelConfig(), 18, seed=0)
     pub = SnapshotPublisher(rd)
@@ -67,6 +73,7 @@ def test_fast_path_matches_snapshot_bit_for_bit(tmp_path: Path) -> None:
             results.append(json.loads(line))
             worker.stdin.write("\n")
             worker.stdin.flush()
+            time.sleep(late_s)
         assert worker.wait(timeout=120) == 0, worker.stderr.read()
     finally:
         server.close()

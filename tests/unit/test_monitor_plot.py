@@ -45,7 +45,7 @@ def test_plot_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for ax, (_, curves) in zip(axes, PANELS, strict=True):
         assert len(labelled_lines(ax)) == len(curves)  # one line per metric
         assert len(ax.get_lines()) == 2 * len(curves)  # smoothed (60 points) over a faint raw line
-    assert labelled_lines(axes[-1]) == ["trainer", "rollout"]
+    assert labelled_lines(axes[-1]) == ["trainer"]  # rollout workers write no idle fraction
     steps, values = hist.curve("rollout/reward")
     assert steps == list(range(1, 61)) and axes[0].get_lines()[0].get_ydata().tolist() == values
 
