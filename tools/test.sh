@@ -18,7 +18,11 @@ if [ "$VLLM" = auto ]; then
       -k|-m|-p|-c|-o|-W|-n|--basetemp|--deselect|--ignore|--rootdir|--maxfail|--durations|--tb) skip=1 ;;
       -*) ;;
       *) [ "$paths" = 0 ] && VLLM=0; paths=1
-         case "$a" in *vllm*|*genrm_runs*|*server_media*) VLLM=1 ;; *.py|*.py::*) ;; *) VLLM=1 ;; esac ;;
+         case "$a" in
+           *vllm*|*genrm_runs*|*server_media*) VLLM=1 ;;
+           *.py|*.py::*|tests/unit|tests/unit/|tests/gpu|tests/gpu/) ;;
+           *) VLLM=1 ;;
+         esac ;;
     esac
   done
 fi
@@ -32,8 +36,14 @@ if [ "$(id -u)" = 0 ] && [ "${RELAX_NO_SLURM:-0}" != 1 ]; then
   bash tools/slurm_local.sh start
   export RELAX_SLURM_ENV=${RELAX_SLURM_DIR:-/tmp/relax-slurm}/slurm.env
 fi
-# The network-filesystem tier (tests/test_netfs.py): sshfs over loopback, as root (FUSE + a private sshd).
+# The network-filesystem tier (tests/netfs): sshfs over loopback, as root (FUSE + a private sshd).
 if [ "$(id -u)" = 0 ] && [ "${RELAX_NO_NETFS:-0}" != 1 ]; then
   bash tools/netfs.sh start
 fi
-exec python3 -m pytest -q "$@"
+# Workers: pytest-xdist, RELAX_TEST_WORKERS of them (3 by default: most of the suite waits on processes, servers and
+# Slurm jobs, so three keep two cores busy); tests/conftest.py keeps a module's tests on one worker and the slurm and
+# netfs tiers together on one. RELAX_TEST_WORKERS=0, or a -n of your own, turns that off.
+W=${RELAX_TEST_WORKERS:-3}
+XDIST=()
+case " $* " in *" -n "*|*" -n="*|*" -n"[0-9]*) ;; *) [ "$W" != 0 ] && XDIST=(-n "$W" --dist loadgroup) ;; esac
+exec python3 -m pytest -q "${XDIST[@]}" "$@"
