@@ -82,7 +82,7 @@ def test_digits_template_real_model_concurrent_episodes() -> None:
     for i, res in enumerate(results):
         assert res.stats.error is None and len(res.samples) == 1
         s = res.samples[0]
-        gen = [engine.outputs[f"ep{i}-t{k}-a0"] for k in range(len(s.turns))]
+        gen = [engine.outputs[f"ep{i}/e0.t{k}/1"] for k in range(len(s.turns))]
         check_sample(tok, s, gen)
         # the whole stream decodes to the template's rendering of the conversation (special tokens included)
         text = tok.decode(list(s.prompt_ids) + list(s.response_ids), skip_special_tokens=False)
