@@ -207,7 +207,7 @@ def test_loss_ignores_masked_tokens() -> None:
                                            sampling=SamplingParams(max_new_tokens=4), parser=parser, seed=i,
                                            request_id=f"s{i}")).samples
     assert sum(int((s.loss_mask == 0).sum()) for s in samples) >= 6
-    items = [TrainItem(prompt_ids=s.prompt_ids, response_ids=s.response_ids, rollout_logprobs=s.logprobs,
+    items = [TrainItem.of(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logprobs=s.logprobs,
                        loss_mask=s.loss_mask.astype(np.float32), advantage=1.0 if i % 2 else -1.0, group_id="g")
              for i, s in enumerate(samples)]
     trainer = TorchTrainer(rcfg, model, device="cpu", dtype=torch.float32, algorithm=get_algorithm("grpo"))
