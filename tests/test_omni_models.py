@@ -139,13 +139,13 @@ def test_text_only_micro_batch_runs_every_encoder(arch, tok, media):
     model = build_tiny_multimodal_model(TinyModelConfig(arch=arch), tok, seed=0)
     items = items_for(arch, tok, media)
     text, image = items[1], items[0]
-    assert not text.multimodal and "pixel_values" in image.multimodal
+    assert not text.sample.tensors and "pixel_values" in image.sample.tensors
     encoders = [n for n in ("visual", "audio_tower") if hasattr(model.model, n)]
     assert encoders == (["visual"] if arch in ("qwen2_5_vl", "qwen3_vl") else ["visual", "audio_tower"])
     real = {"visual": grads_of(model, [image], "visual")}
     if "audio_tower" in encoders:
         audio = items[4]
-        assert "input_features" in audio.multimodal and "pixel_values" not in audio.multimodal
+        assert "input_features" in audio.sample.tensors and "pixel_values" not in audio.sample.tensors
         real["audio_tower"] = grads_of(model, [audio], "audio_tower")
         # an audio-only micro-batch runs the vision tower on a dummy, and the other way round
         assert set(grads_of(model, [audio], "visual")) == set(real["visual"])
