@@ -22,14 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from relax_hpc.errors import SampleValidationError
-
-if TYPE_CHECKING:
-    from relax_hpc.rollout.engine import Prefix, SampleOutput
 
 #: Logical dtypes numpy has no type for -> the unsigned type of the same width that carries their bits.
 RAW_DTYPES: dict[str, type[np.unsignedinteger]] = {
@@ -47,6 +44,21 @@ _INT32, _FLOAT32, _UINT8 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np
 def _typed(a: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
     """``a`` as ``dtype`` without a copy when it already is (the common case: no conversion call per sample)."""
     return a if a.dtype is dtype else a.astype(dtype, copy=False)
+
+
+class EngineTokens(Protocol):
+    """What one engine call returns for a sample (``relax_hpc.rollout.engine.SampleOutput``), as the record reads
+    it (this module imports no layer above it)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    timings: dict[str, float]
+
+    @property
+    def finish_reason(self) -> str: ...
+
+    def mask(self) -> np.ndarray: ...
 
 
 def _empty_ids() -> np.ndarray:
@@ -110,14 +122,14 @@ class Sample:
 
     # ----------------------------------------------------------------------------------------------- building
     @classmethod
-    def from_output(cls, out: SampleOutput, prompt_ids: np.ndarray | None = None) -> Sample:
+    def from_output(cls, out: EngineTokens, prompt_ids: np.ndarray | None = None) -> Sample:
         """The sample of one engine call (its arrays are adopted, not copied)."""
         return cls(prompt_ids=_empty_ids() if prompt_ids is None else prompt_ids,
                    response_ids=_typed(out.token_ids, _INT32), logprobs=_typed(out.logprobs, _FLOAT32),
                    loss_mask=_typed(out.mask(), _UINT8), versions=_typed(out.versions, _INT32),
                    timings=dict(out.timings), finish_reason=out.finish_reason, engine_calls=1)
 
-    def extend(self, out: SampleOutput) -> Sample:
+    def extend(self, out: EngineTokens) -> Sample:
         """Append the tokens of one more engine call (each keeps its version)."""
         self.response_ids = np.concatenate([self.response_ids, out.token_ids.astype(np.int32)])
         self.logprobs = np.concatenate([self.logprobs, out.logprobs.astype(np.float32)])
@@ -137,13 +149,6 @@ class Sample:
         self.versions = np.concatenate([self.token_versions(), np.full(k, -1, np.int32)])
         self.loss_mask = np.concatenate([self.mask(), np.zeros(k, np.uint8)])
         return self
-
-    def as_prefix(self) -> Prefix:
-        """The response so far, for an engine call that continues it."""
-        from relax_hpc.rollout.engine import Prefix
-
-        return Prefix(token_ids=self.response_ids, logprobs=self.logprobs, versions=self.token_versions(),
-                      loss_mask=self.mask())
 
     # ----------------------------------------------------------------------------------------------- reading
     def mask(self) -> np.ndarray:

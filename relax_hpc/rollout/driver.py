@@ -90,7 +90,9 @@ class EpisodeContext:
         """One more engine call for ``sample``: generate after the prompt and everything ``sample`` holds. The budget
         is ``max_new_tokens`` of ``sampling`` (default: the context's) for the whole response (``sample`` counts
         against it), or ``new_tokens`` more."""
-        req = self.request(prompt, n=1, prefixes=[sample.as_prefix()], sampling=sampling, tag=tag)
+        prefix = Prefix(token_ids=sample.response_ids, logprobs=sample.logprobs, versions=sample.token_versions(),
+                        loss_mask=sample.mask())  # the response so far
+        req = self.request(prompt, n=1, prefixes=[prefix], sampling=sampling, tag=tag)
         if new_tokens is not None:
             req.sampling = replace(req.sampling, max_new_tokens=len(sample.response_ids) + new_tokens)
         res = await self.engine.generate(req)
