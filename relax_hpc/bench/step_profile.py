@@ -62,8 +62,8 @@ def profile_phases(rec: dict[str, Any], out: Path, a: argparse.Namespace) -> dic
     _table(prof, out / "decode_profile.txt")
     steps = max(len(s.token_ids) for s in samples)
     rng = np.random.default_rng(0)
-    items = [TrainItem(prompt_ids=np.asarray(p), response_ids=rng.integers(0, 151643, a.new_tokens),
-                       rollout_logprobs=np.full(a.new_tokens, -12.0, dtype=np.float32),
+    items = [TrainItem.of(prompt_ids=np.asarray(p), response_ids=rng.integers(0, 151643, a.new_tokens),
+                       logprobs=np.full(a.new_tokens, -12.0, dtype=np.float32),
                        loss_mask=np.ones(a.new_tokens), advantage=float(rng.normal()))
              for p in prompts for _ in range(a.samples)]
     trainer = TorchTrainer(cfg, policy.model, device=policy.device, dtype=policy.dtype,

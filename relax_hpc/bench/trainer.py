@@ -85,8 +85,8 @@ def make_items(lengths: list[int], vocab: int) -> list[Any]:
     items = []
     for n in lengths:
         p = n // 4
-        items.append(TrainItem(prompt_ids=rng.integers(3, vocab, p), response_ids=rng.integers(3, vocab, n - p),
-                               rollout_logprobs=np.full(n - p, -3.0, dtype=np.float32), loss_mask=np.ones(n - p),
+        items.append(TrainItem.of(prompt_ids=rng.integers(3, vocab, p), response_ids=rng.integers(3, vocab, n - p),
+                               logprobs=np.full(n - p, -3.0, dtype=np.float32), loss_mask=np.ones(n - p),
                                advantage=float(rng.normal())))
     return items
 

@@ -42,6 +42,11 @@ class Task:
     """The row's other fields."""
 
 
+def task_of(prompt: Any) -> Task:
+    """The environment's task for a data prompt (:class:`relax_hpc.data.dataset.Prompt`)."""
+    return Task(prompt=prompt.raw, answer=prompt.answer, meta=dict(prompt.meta))
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One tool call parsed from an assistant turn."""

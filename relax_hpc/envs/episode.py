@@ -1,7 +1,9 @@
 """One episode: the model and an environment take turns until the environment is done or a limit is reached.
 
-Per turn: generate (an aborted request - a weight update mid-turn - is resubmitted with its partial tokens as the
-prefix, so the turn continues with the new weights and each token keeps its version), parse tool calls, let the
+Per turn: generate through the rollout driver's :class:`~relax_hpc.rollout.driver.EpisodeContext` (an aborted
+request - a weight update mid-turn - is resubmitted with its partial tokens as the prefix by the driver's one
+abort-and-resubmit loop, so the turn continues with the new weights and each token keeps its version), parse tool
+calls, let the
 environment answer (under ``step_timeout_s``), cut long environment messages, and append only the new tokens
 (:mod:`relax_hpc.envs.tokens`). The reward is the environment's (summed over steps), the reward function's on the
 final assistant turn, or their weighted sum. An environment that raises or times out ends the episode with
@@ -18,19 +20,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from relax_hpc.config.schema import EnvConfig
+from relax_hpc.data.dataset import Prompt
 from relax_hpc.envs.api import AssistantTurn, Environment, Step, Task
 from relax_hpc.envs.parsers import ToolCallParser
-from relax_hpc.envs.tokens import EpisodeSample, Transcript, truncate_message
+from relax_hpc.envs.tokens import Transcript, truncate_message
 from relax_hpc.envs.tools import Tool
-from relax_hpc.rollout.engine import GenerateRequest, Prefix, RolloutEngine, SamplingParams
+from relax_hpc.record import Sample
+from relax_hpc.rollout.driver import EpisodeContext
+from relax_hpc.rollout.engine import RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
-
-MAX_RESUBMITS = 16
-"""A turn aborted this many times (weight updates) ends the episode as truncated."""
 
 Scorer = Callable[[str, Task], Awaitable[float]]
 
@@ -61,58 +61,36 @@ class EpisodeStats:
 
 @dataclass
 class EpisodeResult:
-    samples: list[EpisodeSample]
+    samples: list[Sample]
+    """The episode's samples (several when the chat template is not prefix-preserving), rewards not yet set."""
     stats: EpisodeStats
     final_answer: str = ""
     messages: list[dict[str, Any]] = field(default_factory=list)
 
 
-@dataclass
-class _Turn:
-    ids: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: str
-    aborts: int = 0
-
-
-async def generate_turn(engine: RolloutEngine, context: list[int], sampling: SamplingParams,
-                        request_id: str, resume: Callable[[], bool] | None = None) -> _Turn:
-    """One assistant turn; aborted requests are resubmitted with what they generated so far as the prefix (while
-    ``resume()`` says so: not when the role is stopping)."""
-    parts: list[Any] = []
-    for attempt in range(MAX_RESUBMITS + 1):
-        prefix = None
-        if parts:
-            prefix = Prefix(token_ids=np.concatenate([p.token_ids for p in parts]).astype(np.int32),
-                            logprobs=np.concatenate([p.logprobs for p in parts]).astype(np.float32),
-                            versions=np.concatenate([p.versions for p in parts]).astype(np.int32),
-                            loss_mask=np.ones(sum(len(p.token_ids) for p in parts), dtype=np.uint8))
-        req = GenerateRequest(f"{request_id}-a{attempt}", context, dataclasses.replace(sampling, n=1),
-                              prefixes=[prefix] if prefix is not None else None)
-        out = (await engine.generate(req)).samples[0]
-        parts.append(out)
-        if out.finish_reason != "abort" or (resume is not None and not resume()):
-            break
-    cat = (lambda k, dt: np.concatenate([getattr(p, k) for p in parts]).astype(dt))  # noqa: E731
-    return _Turn(cat("token_ids", np.int32), cat("logprobs", np.float32), cat("versions", np.int32),
-                 parts[-1].finish_reason, len(parts) - 1)
-
-
 async def run_episode(engine: RolloutEngine, env: Environment, task: Task, *, tokenizer: Any, cfg: EnvConfig,
                       sampling: SamplingParams, parser: ToolCallParser, seed: int, request_id: str,
-                      scorer: Scorer | None = None, reward_mode: str | None = None,
-                      resume: Callable[[], bool] | None = None) -> EpisodeResult:
-    """Run one episode to the end; never raises for the environment's or the model's faults."""
+                      scorer: Scorer | None = None, reward_mode: str | None = None) -> EpisodeResult:
+    """One episode on its own (outside a rollout driver): :func:`play` with a context of its own."""
+    return await play(EpisodeContext(engine, sampling, request_id), env, task, tokenizer=tokenizer, cfg=cfg,
+                      parser=parser, seed=seed, scorer=scorer, reward_mode=reward_mode)
+
+
+async def play(ctx: EpisodeContext, env: Environment, task: Task, *, tokenizer: Any, cfg: EnvConfig,
+               parser: ToolCallParser, seed: int, scorer: Scorer | None = None, reward_mode: str | None = None,
+               name: str = "e0") -> EpisodeResult:
+    """Run one episode to the end with ``ctx``'s engine and sampling settings (one sample per turn request, the
+    engine's own generator); never raises for the environment's or the model's faults. ``name``: the episode's
+    within its group (its requests are ``<request_id>/<name>.t<turn>/<n>``)."""
     t0 = time.perf_counter()
     stats = EpisodeStats()
     result = EpisodeResult([], stats)
     try:
-        await _episode(engine, env, task, tokenizer, cfg, sampling, parser, seed, request_id, result, resume)
+        await _episode(ctx, env, task, tokenizer, cfg, parser, seed, result, name)
         await _reward(result, task, cfg, scorer, reward_mode or cfg.reward)
     except _EnvFault as exc:
         stats.error = str(exc)
-        log.warning("episode %s: %s", request_id, exc)
+        log.warning("episode %s/%s: %s", ctx.request_id, name, exc)
     finally:
         try:
             await asyncio.wait_for(env.close(), cfg.step_timeout_s)
@@ -136,10 +114,10 @@ async def _env_call(what: str, coro: Awaitable[Any], timeout_s: float) -> Any:
         raise _EnvFault(f"environment {what} raised {type(exc).__name__}: {exc}") from None
 
 
-async def _episode(engine: RolloutEngine, env: Environment, task: Task, tokenizer: Any, cfg: EnvConfig,
-                   sampling: SamplingParams, parser: ToolCallParser, seed: int, request_id: str,
-                   result: EpisodeResult, resume: Callable[[], bool] | None) -> None:
+async def _episode(ctx: EpisodeContext, env: Environment, task: Task, tokenizer: Any, cfg: EnvConfig,
+                   parser: ToolCallParser, seed: int, result: EpisodeResult, name: str) -> None:
     stats = result.stats
+    sampling = dataclasses.replace(ctx.sampling, n=1, seed=None)
     if callable(getattr(env, "configure", None)):
         env.configure(cfg)  # type: ignore[attr-defined]
     messages = await _env_call("reset()", env.reset(task, seed), cfg.step_timeout_s)
@@ -151,10 +129,10 @@ async def _episode(engine: RolloutEngine, env: Environment, task: Task, tokenize
         if budget <= 0:
             stats.truncated = "max_total_tokens"
             break
-        turn = await generate_turn(engine, tr.context_ids, dataclasses.replace(sampling, max_new_tokens=budget),
-                                   f"{request_id}-t{k}", resume)
-        stats.aborted_turns += turn.aborts
-        text = tr.add_turn(turn.ids, turn.logprobs, turn.versions, turn.finish_reason)
+        turn = await ctx.generate(Prompt(prompt_ids=tr.context_ids, answer=None),
+                                  dataclasses.replace(sampling, max_new_tokens=budget), tag=f"{name}.t{k}")
+        stats.aborted_turns += turn.engine_calls - 1
+        text = tr.add_turn(turn.response_ids, turn.logprobs, turn.token_versions(), turn.finish_reason)
         stats.turns += 1
         if turn.finish_reason == "abort":
             stats.truncated = "aborts"

@@ -25,30 +25,7 @@ from typing import Any
 import numpy as np
 
 from relax_hpc.envs.api import Message
-
-
-@dataclass
-class EpisodeSample:
-    """One trainable sample of an episode."""
-
-    prompt_ids: np.ndarray
-    response_ids: np.ndarray
-    """Generated and environment tokens, interleaved, in the order the model saw them."""
-    loss_mask: np.ndarray
-    """1 on generated tokens, 0 on environment tokens."""
-    logprobs: np.ndarray
-    """Rollout log-probs (0 on environment tokens)."""
-    versions: np.ndarray
-    """Weight version of each generated token (-1 on environment tokens)."""
-    turns: np.ndarray
-    """[T, 2] (start, end) of each generated turn in ``response_ids``."""
-    finish_reason: str = "stop"
-
-    @property
-    def min_version(self) -> int:
-        """The version of the oldest generated token (a sample's staleness is counted from it)."""
-        gen = self.versions[self.loss_mask.astype(bool)]
-        return int(gen.min()) if len(gen) else -1
+from relax_hpc.record import Sample
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -143,9 +120,10 @@ class Transcript:
         """A new sample whose prompt is the template's rendering of the whole conversation plus ``messages``."""
         return Transcript(self.tokenizer, self.messages + messages, self.tools, self.template_kwargs)
 
-    def sample(self) -> EpisodeSample:
+    def sample(self) -> Sample:
+        """The sample built so far (its reward is set once the episode is scored)."""
         turns = np.asarray(self.turns, dtype=np.int32).reshape(-1, 2)
-        return EpisodeSample(
+        return Sample(
             prompt_ids=np.asarray(self.prompt_ids, dtype=np.int32), response_ids=np.asarray(self.ids, dtype=np.int32),
             loss_mask=np.asarray(self.mask, dtype=np.uint8), logprobs=np.asarray(self.logprobs, dtype=np.float32),
             versions=np.asarray(self.versions, dtype=np.int32), turns=turns, finish_reason=self.finish_reason)

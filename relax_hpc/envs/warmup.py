@@ -8,9 +8,8 @@ import random
 from typing import Any
 
 from relax_hpc.config.schema import EnvConfig
-from relax_hpc.envs.api import WarmsUp, WarmupExample
+from relax_hpc.envs.api import WarmsUp, WarmupExample, task_of
 from relax_hpc.envs.registry import make_env
-from relax_hpc.envs.rollout import task_of
 from relax_hpc.envs.tokens import Transcript
 from relax_hpc.envs.tools import Tool
 from relax_hpc.trainer.sft import WarmupPair, answer_ids

@@ -182,11 +182,11 @@ def packed_inputs(model: Any, mb: Any) -> tuple[Any, dict[str, Any]]:
     text = mb.position_ids.reshape(-1)
     pos3 = text.view(1, -1).repeat(3, 1)
     in_prompt = torch.zeros_like(flat_ids, dtype=torch.bool)
-    mms = [dict(it.multimodal) for it in mb.items]
+    mms = [it.sample.model_inputs() for it in mb.items]
     order = sorted(range(len(mb.items)), key=lambda i: int(mb.seq_starts[i]))
     used: set[str] = set()
     for i in order:
-        st, n_prompt, n = int(mb.seq_starts[i]), len(mb.items[i].prompt_ids), mb.items[i].num_tokens
+        st, n_prompt, n = int(mb.seq_starts[i]), len(mb.items[i].sample.prompt_ids), mb.items[i].num_tokens
         in_prompt[st:st + n_prompt] = True
         if not mms[i]:
             continue

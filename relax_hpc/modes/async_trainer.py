@@ -172,8 +172,8 @@ class AsyncTrainer:
             got.read += time.perf_counter() - t1
             if not items:
                 continue
-            got.staleness += [self.session.version - it.version for it in items]
-            got.rewards += [it.reward for it in items]
+            got.staleness += [self.session.version - it.sample.version for it in items]
+            got.rewards += [it.sample.reward for it in items]
             t1 = time.perf_counter()
             prep = prepare_items(items, cfg, self.r.algorithm)
             got.prep += time.perf_counter() - t1

@@ -130,9 +130,9 @@ class Colocate:
             plan = self.consumer.wait_plan(self.plan_seq, timeout_s=self.cfg.store.wait_timeout_s)
         items = samples_to_items(self.consumer.read(plan))
         counts = {"rollout/stale_dropped": float(plan.stats.get("stale_dropped_samples", 0))}
-        orphans = [it for it in items if it.version > self.session.version]
+        orphans = [it for it in items if it.sample.version > self.session.version]
         if orphans:
-            items = [it for it in items if it.version <= self.session.version]
+            items = [it for it in items if it.sample.version <= self.session.version]
             counts["rollout/orphaned_samples_dropped"] = float(len(orphans))
         return items, counts
 

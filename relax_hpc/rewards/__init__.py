@@ -13,6 +13,7 @@ _EXPORTS = {
     "BUILTIN": "relax_hpc.rewards.registry", "check_reward": "relax_hpc.rewards.registry",
     "resolve_reward": "relax_hpc.rewards.registry",
     "RewardResult": "relax_hpc.rewards.runner", "RewardRunner": "relax_hpc.rewards.runner",
+    "RewardScorer": "relax_hpc.rewards.runner",
 }
 
 __all__ = sorted(_EXPORTS)

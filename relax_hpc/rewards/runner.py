@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,7 +112,31 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-class RewardRunner:
+class RewardScorer(ABC):
+    """What the rollout driver needs of a reward: scores of decoded responses, on the driver's loop when
+    :attr:`on_loop`, and the metrics it reports. :class:`RewardRunner` is the recipe's; a test or a benchmark may
+    bring its own."""
+
+    on_loop: bool = False
+    """Await :meth:`score_async` on the rollout driver's loop, where the engine's requests run (a reward that sends
+    requests to the rollout's engine); False: the driver calls :meth:`score`."""
+
+    @abstractmethod
+    def score(self, responses: Sequence[str], answers: Sequence[Any],
+              metas: Sequence[dict[str, Any]] | None = None) -> RewardResult:
+        """Score ``responses[i]`` against ``answers[i]``; never raises because of the reward function."""
+
+    async def score_async(self, responses: Sequence[str], answers: Sequence[Any],
+                          metas: Sequence[dict[str, Any]] | None = None) -> RewardResult:
+        """:meth:`score` on the running loop (default: :meth:`score` itself)."""
+        return self.score(responses, answers, metas)
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars to log with each batch's metrics (none by default)."""
+        return {}
+
+
+class RewardRunner(RewardScorer):
     """Runs the reward function of a :class:`RewardConfig` over batches of responses."""
 
     def __init__(self, cfg: RewardConfig, context: RewardContext | None = None):

@@ -4,102 +4,50 @@ the fully_async workers and the benchmarks generate through.
 The per-prompt path is a coroutine, :meth:`Episode.run_group`, and the per-sample path another,
 :meth:`Episode.run_sample`; either may call the engine any number of times. The default episode makes one request
 with ``n`` samples (they share the prompt's prefill) and continues each sample that came back aborted (the engine
-was paused for new weights) from where it stopped, as a prefix: a partial rollout. A multi-turn environment
-subclasses :class:`Episode` and overrides ``run_sample``: append the environment's tokens with
-:meth:`Trajectory.append_context` (loss mask 0) and continue with :meth:`EpisodeContext.continue_sample`.
+was paused for new weights) from where it stopped, as a prefix: a partial rollout. That abort-and-resubmit loop is
+:meth:`EpisodeContext.finish`, the only one (multi-turn episodes use it for every turn). A multi-turn environment
+subclasses :class:`Episode`: append the environment's tokens with :meth:`Sample.append_context` (loss mask 0) and
+continue with :meth:`EpisodeContext.continue_sample`, or build its samples itself and score them
+(:meth:`Episode.score`).
 
-A :class:`Trajectory` carries, per response token, its id, the rollout log-prob, the weight version that produced it
-and the loss mask. A sample's version (the one its staleness is measured by) is its oldest generated token's.
+Every sample is the record :class:`relax_hpc.record.Sample` from its first engine call on: per response token its
+id, the rollout log-prob, the weight version that produced it and the loss mask. A sample's version (the one its
+staleness is measured by) is its oldest generated token's. The driver sets its reward, versions and group, and the
+store writes it as it is (``docs/sample-path.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import zlib
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from relax_hpc.models.load import decode_texts
+from relax_hpc.record import Sample, SampleGroup
 from relax_hpc.rollout.engine import GenerateRequest, Prefix, RolloutEngine, SampleOutput, SamplingParams
 from relax_hpc.timing import PhaseTimer
 
+if TYPE_CHECKING:
+    from relax_hpc.data.dataset import Prompt
+    from relax_hpc.rewards.runner import RewardResult, RewardScorer
+
 T = TypeVar("T")
-_INT32, _FLOAT32, _UINT8 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint8)
+
+MAX_RESUBMITS = 16
+"""A sample (or a multi-turn episode's turn) aborted this many times (weight updates) is kept as it is."""
 
 
-def _typed(a: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
-    """``a`` as ``dtype`` without a copy when it already is (the common case: no conversion call per sample)."""
-    return a if a.dtype is dtype else a.astype(dtype, copy=False)
-
-
-@dataclass
-class Trajectory:
-    """One sample's response, built from one or more engine calls (and environment tokens, in multi-turn)."""
-
-    token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    """Weight version per token; -1 on tokens the engine did not generate."""
-    loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
-    finish_reason: str = "length"
-    timings: dict[str, float] = field(default_factory=dict)
-    engine_calls: int = 0
-    metadata: dict[str, Any] = field(default_factory=dict)
-    """JSON-able extras stored with the sample (an environment's turn count, tool results ...)."""
-    prompt_ids: np.ndarray | None = None
-    """This sample's own prompt tokens (a multi-turn episode renders its prompt with the tool section, and a
-    template that is not prefix-preserving starts samples from a later point); None = the prompt's."""
-    turns: np.ndarray | None = None
-    """[T, 2] int32 (start, end) of each generated turn in the response (multi-turn episodes; stored in the
-    sample store's ``turns`` column)."""
-
-    @classmethod
-    def from_output(cls, out: SampleOutput) -> Trajectory:
-        """The trajectory of one engine call (its arrays are adopted, not copied)."""
-        return cls(token_ids=_typed(out.token_ids, _INT32), logprobs=_typed(out.logprobs, _FLOAT32),
-                   versions=_typed(out.versions, _INT32), loss_mask=_typed(out.mask(), _UINT8),
-                   finish_reason=out.finish_reason, timings=dict(out.timings), engine_calls=1)
-
-    def extend(self, out: SampleOutput) -> Trajectory:
-        """Append the tokens of one engine call (each keeps its version)."""
-        self.token_ids = np.concatenate([self.token_ids, out.token_ids.astype(np.int32)])
-        self.logprobs = np.concatenate([self.logprobs, out.logprobs.astype(np.float32)])
-        self.versions = np.concatenate([self.versions, out.versions.astype(np.int32)])
-        self.loss_mask = np.concatenate([self.loss_mask, out.mask().astype(np.uint8)])
-        self.finish_reason = out.finish_reason
-        for k, v in out.timings.items():
-            self.timings[k] = self.timings.get(k, 0.0) + v
-        self.engine_calls += 1
-        return self
-
-    def append_context(self, token_ids: Sequence[int]) -> Trajectory:
-        """Append tokens that came from elsewhere (tool output, the environment): not trained on, no version."""
-        k = len(token_ids)
-        self.token_ids = np.concatenate([self.token_ids, np.asarray(token_ids, dtype=np.int32)])
-        self.logprobs = np.concatenate([self.logprobs, np.zeros(k, np.float32)])
-        self.versions = np.concatenate([self.versions, np.full(k, -1, np.int32)])
-        self.loss_mask = np.concatenate([self.loss_mask, np.zeros(k, np.uint8)])
-        return self
-
-    def as_prefix(self) -> Prefix:
-        return Prefix(token_ids=self.token_ids, logprobs=self.logprobs, versions=self.versions,
-                      loss_mask=self.loss_mask)
-
-    def version_range(self, default: int) -> tuple[int, int]:
-        """(oldest, newest) version of the generated tokens; ``(default, default)`` if there are none."""
-        v = self.versions
-        if not len(v):
-            return default, default
-        lo = int(v.min())
-        if lo < 0:  # context tokens (no version) among them
-            v = v[v >= 0]
-            if not len(v):
-                return default, default
-            lo = int(v.min())
-        return lo, int(v.max())
+def derive_seed(base: int | None, request_id: str, index: int) -> int:
+    """The seed of sample ``index`` of a request: ``base + index`` when the sampling settings fix a seed, else one
+    derived from the request id (the same in every process: not Python's salted ``hash``). An environment's
+    ``reset`` gets it."""
+    start = base if base is not None else zlib.crc32(request_id.encode()) & 0x7FFF_FFFF
+    return start + index
 
 
 @dataclass
@@ -113,53 +61,97 @@ class EpisodeContext:
     """Continue samples that came back aborted (after the engine resumes, with its new weights)."""
     stopping: bool = False
     """Set by the driver's owner when the role is stopping: do not continue aborted samples."""
-    _calls: int = 0
+    _calls: dict[str, int] = field(default_factory=dict)
 
-    def next_id(self) -> str:
-        self._calls += 1
-        return f"{self.request_id}/{self._calls}"
+    def next_id(self, tag: str = "") -> str:
+        """A new request id: ``<request_id>/<n>``, or ``<request_id>/<tag>/<n>`` (a multi-turn episode names its
+        turns ``e<episode>.t<turn>``); ``n`` counts the calls of each tag from 1 (resubmits of an abort)."""
+        n = self._calls[tag] = self._calls.get(tag, 0) + 1
+        return f"{self.request_id}/{tag}/{n}" if tag else f"{self.request_id}/{n}"
 
-    def request(self, prompt: Any, *, n: int, prefixes: list[Prefix] | None = None) -> GenerateRequest:
-        sampling = self.sampling if n == self.sampling.n else replace(self.sampling, n=n)
-        return GenerateRequest(self.next_id(), prompt.prompt_ids, sampling,
-                               multimodal=getattr(prompt, "multimodal", None), prefixes=prefixes,
-                               media=getattr(prompt, "media", None),  # raw media, for server engines
-                               engine_prompt_ids=getattr(prompt, "engine_prompt_ids", None))
+    def seed(self, index: int) -> int:
+        """The seed of sample ``index`` of this prompt (:func:`derive_seed`)."""
+        return derive_seed(self.sampling.seed, self.request_id, index)
 
-    async def continue_sample(self, prompt: Any, traj: Trajectory, *, new_tokens: int | None = None) -> SampleOutput:
-        """One more engine call for ``traj``: generate after the prompt and everything ``traj`` holds. The budget is
-        ``sampling.max_new_tokens`` for the whole response (``traj`` counts against it), or ``new_tokens`` more."""
-        req = self.request(prompt, n=1, prefixes=[traj.as_prefix()])
+    def resuming(self) -> bool:
+        """Whether an aborted sample is continued (not when the role is stopping)."""
+        return self.resume_aborted and not self.stopping
+
+    def request(self, prompt: Prompt, *, n: int, prefixes: list[Prefix] | None = None,
+                sampling: SamplingParams | None = None, tag: str = "") -> GenerateRequest:
+        sampling = sampling or self.sampling
+        sampling = sampling if n == sampling.n else replace(sampling, n=n)
+        return GenerateRequest(self.next_id(tag), prompt.prompt_ids, sampling, multimodal=prompt.multimodal,
+                               prefixes=prefixes, media=prompt.media,  # raw media, for server engines
+                               engine_prompt_ids=prompt.engine_prompt_ids)
+
+    async def continue_sample(self, prompt: Prompt, sample: Sample, *, new_tokens: int | None = None,
+                              sampling: SamplingParams | None = None, tag: str = "") -> SampleOutput:
+        """One more engine call for ``sample``: generate after the prompt and everything ``sample`` holds. The budget
+        is ``max_new_tokens`` of ``sampling`` (default: the context's) for the whole response (``sample`` counts
+        against it), or ``new_tokens`` more."""
+        prefix = Prefix(token_ids=sample.response_ids, logprobs=sample.logprobs, versions=sample.token_versions(),
+                        loss_mask=sample.mask())  # the response so far
+        req = self.request(prompt, n=1, prefixes=[prefix], sampling=sampling, tag=tag)
         if new_tokens is not None:
-            req.sampling = replace(req.sampling, max_new_tokens=len(traj.token_ids) + new_tokens)
+            req.sampling = replace(req.sampling, max_new_tokens=len(sample.response_ids) + new_tokens)
         res = await self.engine.generate(req)
         return res.samples[0]
 
+    async def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, *, tag: str = "") -> Sample:
+        """One sample of ``prompt`` (``sampling`` default: the context's, with ``n=1``), continued while it comes back
+        aborted (:meth:`finish`); ``tag`` goes into its request ids."""
+        res = await self.engine.generate(self.request(prompt, n=1, sampling=sampling, tag=tag))
+        return await self.finish(prompt, Sample.from_output(res.samples[0]), sampling=sampling, tag=tag)
+
+    async def finish(self, prompt: Prompt, sample: Sample, *, sampling: SamplingParams | None = None,
+                     tag: str = "") -> Sample:
+        """The abort-and-resubmit loop: continue ``sample`` while it comes back aborted (a weight update), at most
+        :data:`MAX_RESUBMITS` times, unless the role is stopping. Each token keeps its version."""
+        for _ in range(MAX_RESUBMITS):
+            if sample.finish_reason != "abort" or not self.resuming():
+                break
+            sample.extend(await self.continue_sample(prompt, sample, sampling=sampling, tag=tag))
+        return sample
+
 
 class Episode:
-    """How one prompt becomes its group of samples (see the module docstring). Subclass for environments."""
+    """How one prompt becomes its group of samples (see the module docstring). Subclass for environments.
 
-    async def run_group(self, ctx: EpisodeContext, prompt: Any) -> list[Trajectory]:
+    What the driver asks of an episode beyond generating: :meth:`score` (its own rewards, or None to have the
+    driver's reward score the decoded responses) and :meth:`take_metrics` (its metrics of the batch)."""
+
+    async def run_group(self, ctx: EpisodeContext, prompt: Prompt) -> list[Sample]:
         res = await ctx.engine.generate(ctx.request(prompt, n=ctx.sampling.n))
-        firsts = [Trajectory.from_output(s) for s in res.samples]
+        prompt_ids = np.asarray(prompt.prompt_ids, dtype=np.int32)  # once per group; the store only reads it
+        firsts = [Sample.from_output(s, prompt_ids) for s in res.samples]
         if type(self).run_sample is Episode.run_sample and all(t.finish_reason != "abort" for t in firsts):
             return firsts  # nothing to continue: no task per sample (a demo step has 128 of them)
         return list(await asyncio.gather(*(self.run_sample(ctx, prompt, t, j) for j, t in enumerate(firsts))))
 
-    async def run_sample(self, ctx: EpisodeContext, prompt: Any, traj: Trajectory, index: int) -> Trajectory:
+    async def run_sample(self, ctx: EpisodeContext, prompt: Prompt, sample: Sample, index: int) -> Sample:
         """Finish sample ``index`` after its first engine call. Default: continue it while it comes back aborted."""
-        while traj.finish_reason == "abort" and ctx.resume_aborted and not ctx.stopping:
-            traj.extend(await ctx.continue_sample(prompt, traj))
-        return traj
+        return await ctx.finish(prompt, sample)
+
+    def score(self, prompts: Sequence[Prompt], groups: list[list[Sample]]) -> RewardResult | None:
+        """The rewards of a batch's samples when the episode sets them itself (a multi-turn environment's reward is
+        the episode's; each sample's ``reward`` is already set). None (the default): the driver scores the decoded
+        responses with its reward."""
+        return None
+
+    def take_metrics(self) -> dict[str, float]:
+        """The episode's metrics of the batches since the last call (``agent/*``); none by default."""
+        return {}
 
 
 @dataclass
 class BatchResult:
     """One batch of prompts through the driver."""
 
-    groups: list[Any]
-    """The store groups written (``SampleGroup``)."""
-    trajectories: list[list[Trajectory]]
+    groups: list[SampleGroup]
+    """The store groups written."""
+    generated: list[list[Sample]]
+    """Every prompt's samples as generated (those of dropped groups too)."""
     counts: dict[str, float]
     reward_errors: int
     samples: int
@@ -168,6 +160,7 @@ class BatchResult:
 class RolloutDriver:
     """Runs prompts through an engine, scores them, writes their groups to the store.
 
+    ``rewards``: the reward that scores decoded responses (None when the episode scores its own samples).
     ``writer``: a ``ShardWriter`` (None: groups are built but not written). ``admission``: a fully_async worker's
     claim (:class:`~relax_hpc.rollout.admission.Admission`), released once the batch's shard is published.
     Synchronous callers use :meth:`run_batch` and :meth:`call`: the driver owns one event loop for them.
@@ -175,9 +168,9 @@ class RolloutDriver:
 
     PHASES = ("generate", "reward", "store_write")
 
-    def __init__(self, engine: RolloutEngine, tokenizer: Any, rewards: Any, *, sampling: SamplingParams,
-                 writer_id: str, writer: Any = None, admission: Any = None, episode: Episode | None = None,
-                 resume_aborted: bool = True):
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, rewards: RewardScorer | None, *,
+                 sampling: SamplingParams, writer_id: str, writer: Any = None, admission: Any = None,
+                 episode: Episode | None = None, resume_aborted: bool = True):
         self.engine = engine
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -194,8 +187,8 @@ class RolloutDriver:
         self._contexts: list[EpisodeContext] = []
 
     # ------------------------------------------------------------------------------------------ async parts
-    async def rollout(self, prompts: Sequence[Any]) -> list[list[Trajectory]]:
-        """Every prompt's group of trajectories, all prompts concurrently (the engine batches them)."""
+    async def rollout(self, prompts: Sequence[Prompt]) -> list[list[Sample]]:
+        """Every prompt's group of samples, all prompts concurrently (the engine batches them)."""
         ctxs = [EpisodeContext(self.engine, self.sampling, f"{self.writer_id}:{self.counter + i}",
                                resume_aborted=self.resume_aborted, stopping=self.stopping)
                 for i in range(len(prompts))]
@@ -217,41 +210,39 @@ class RolloutDriver:
         """Run one coroutine (``engine.receive(...)``, ``driver.rollout(...)``) on the driver's loop."""
         return self._loop.run_until_complete(coro)
 
-    def run_batch(self, prompts: Sequence[Any], timer: PhaseTimer | None = None) -> BatchResult:
+    def run_batch(self, prompts: Sequence[Prompt], timer: PhaseTimer | None = None) -> BatchResult:
         """Generate, score, build and write the groups of ``prompts``; phases ``generate``, ``reward`` and
         ``store_write`` go to ``timer``."""
         timer = timer or PhaseTimer()
         first = self.counter
         with timer.phase("generate"):
-            trajs = self.call(self.rollout(prompts))
+            generated = self.call(self.rollout(prompts))
         with timer.phase("reward"):
-            scored = self.score(prompts, trajs)
-        groups, counts = build_groups(prompts, trajs, scored, writer_id=self.writer_id, counter=first,
+            scored = self.score(prompts, generated)
+        groups, counts = build_groups(prompts, generated, scored, writer_id=self.writer_id, counter=first,
                                       default_version=self.engine.version)
-        take = getattr(self.episode, "take_metrics", None)
-        if take is not None:
-            counts.update(take())
-        reported = getattr(self.rewards, "metrics", None)
-        if reported is not None:
-            counts.update(reported())  # a GenRM judge's genrm/* counters
+        counts.update(self.episode.take_metrics())
+        if self.rewards is not None:
+            counts.update(self.rewards.metrics())  # a GenRM judge's genrm/* counters
         with timer.phase("store_write"):
             if groups and self.writer is not None:
                 self.writer.write(groups)
             if self.admission is not None:
                 self.admission.release()  # after the shard is published: its groups now count in the backlog
-        return BatchResult(groups, trajs, counts, int(getattr(scored, "num_errors", 0)),
-                           sum(len(g) for g in trajs))
+        return BatchResult(groups, generated, counts, scored.num_errors, sum(len(g) for g in generated))
 
-    def score(self, prompts: Sequence[Any], trajs: list[list[Trajectory]]) -> Any:
+    def score(self, prompts: Sequence[Prompt], generated: list[list[Sample]]) -> RewardResult:
         """Decode every response and score it: a ``RewardResult`` over the flat list, prompt by prompt. An episode
-        that scores its own samples (multi-turn environments: ``episode.score``) does it instead."""
-        own = getattr(self.episode, "score", None)
+        that scores its own samples (multi-turn environments, :meth:`Episode.score`) does it instead."""
+        own = self.episode.score(prompts, generated)
         if own is not None:
-            return own(prompts, trajs)
-        texts = decode_texts(self.tokenizer, [t.token_ids for g in trajs for t in g])
-        answers = [p.answer for p, g in zip(prompts, trajs) for _ in g]
-        metas = [p.meta for p, g in zip(prompts, trajs) for _ in g]
-        if getattr(self.rewards, "on_loop", False):  # a reward on the rollout's engine: on the engine's loop
+            return own
+        if self.rewards is None:
+            raise ValueError("the rollout driver has no reward and its episode scores nothing")
+        texts = decode_texts(self.tokenizer, [t.response_ids for g in generated for t in g])
+        answers = [p.answer for p, g in zip(prompts, generated) for _ in g]
+        metas = [p.meta for p, g in zip(prompts, generated) for _ in g]
+        if self.rewards.on_loop:  # a reward on the rollout's engine: on the engine's loop
             return self.call(self.rewards.score_async(texts, answers, metas))
         return self.rewards.score(texts, answers, metas)
 
@@ -262,16 +253,20 @@ class RolloutDriver:
         self._loop.close()
 
 
-def version_spans(trajs: Sequence[Trajectory], default: int) -> tuple[list[int], list[int]]:
-    """:meth:`Trajectory.version_range` of every trajectory at once: (oldest, newest) lists, over one concatenation
-    of the versions and two segment reductions instead of two reductions per sample."""
-    n = len(trajs)
-    lengths = np.fromiter((len(t.versions) for t in trajs), dtype=np.int64, count=n)
+_NO_VERSIONS = np.zeros(0, np.int32)
+
+
+def version_spans(samples: Sequence[Sample], default: int) -> tuple[list[int], list[int]]:
+    """:meth:`Sample.version_range` of every sample at once: (oldest, newest) lists, over one concatenation of the
+    per-token versions and two segment reductions instead of two reductions per sample."""
+    n = len(samples)
+    per_token = [_NO_VERSIONS if t.versions is None else t.versions for t in samples]
+    lengths = np.fromiter((len(v) for v in per_token), dtype=np.int64, count=n)
     first, last = [default] * n, [default] * n
     filled = np.flatnonzero(lengths)
     if not len(filled):
         return first, last
-    flat = np.concatenate([trajs[i].versions for i in filled.tolist()]).astype(np.int64, copy=False)
+    flat = np.concatenate([per_token[i] for i in filled.tolist()]).astype(np.int64, copy=False)
     starts = np.zeros(len(filled), dtype=np.int64)
     np.cumsum(lengths[filled][:-1], out=starts[1:])
     generated = flat >= 0  # context tokens (-1) have no version
@@ -283,37 +278,43 @@ def version_spans(trajs: Sequence[Trajectory], default: int) -> tuple[list[int],
     return first, last
 
 
-def build_groups(prompts: Sequence[Any], trajs: list[list[Trajectory]], result: Any, *, writer_id: str, counter: int,
-                 default_version: int) -> tuple[list[Any], dict[str, float]]:
-    """Store groups for scored trajectories. A group with a sample whose reward failed under ``on_error=drop`` is
-    dropped whole (counted). A sample's ``version`` is its oldest generated token's. Returns (groups, counts)."""
-    from relax_hpc.store.sample import Sample, SampleGroup
-
-    groups: list[Any] = []
-    dropped = 0
+def build_groups(prompts: Sequence[Prompt], generated: list[list[Sample]], result: RewardResult, *, writer_id: str,
+                 counter: int, default_version: int) -> tuple[list[SampleGroup], dict[str, float]]:
+    """The store groups of scored samples: each sample gets its reward (and named parts), versions, group id, prompt
+    (a sample without its own), the prompt's tensors and metadata, in place. A group with a sample whose reward
+    failed under ``on_error=drop`` is dropped whole (counted). A sample's ``version`` is its oldest generated
+    token's. A group without samples (every episode of a multi-turn group failed before finishing one) is left out
+    (counted). Returns (groups, counts)."""
+    groups: list[SampleGroup] = []
+    dropped = empty = 0
     k = 0
-    rewards = np.asarray(result.rewards, dtype=np.float32)
-    drop = np.asarray(getattr(result, "dropped", np.zeros(len(rewards), dtype=bool)))
-    extras = {name: np.asarray(v).tolist() for name, v in getattr(result, "extras", {}).items()}
-    firsts, lasts = version_spans([t for group in trajs for t in group], default_version)
-    reward_list = rewards.tolist()  # Python floats, as float(rewards[j]) gives
-    for i, (prompt, group) in enumerate(zip(prompts, trajs)):
+    drop = np.asarray(result.dropped)
+    extras = {name: np.asarray(v).tolist() for name, v in result.extras.items()}
+    firsts, lasts = version_spans([t for group in generated for t in group], default_version)
+    reward_list = np.asarray(result.rewards, dtype=np.float32).tolist()  # Python floats, as float(rewards[j]) gives
+    for i, (prompt, group) in enumerate(zip(prompts, generated)):
         idx = range(k, k + len(group))
         k += len(group)
         if drop[idx.start:idx.stop].any():
             dropped += 1
             continue
-        samples = []
-        prompt_ids = np.asarray(prompt.prompt_ids, dtype=np.int32)  # once per group; the store only reads it
+        if not group:
+            empty += 1
+            continue
+        group_id = f"{writer_id}:{counter + i}"
+        prompt_ids = None
         prompt_meta = {"prompt": prompt.meta} if prompt.meta else {}
-        for j, t in zip(idx, group):
-            own_prompt = prompt_ids if t.prompt_ids is None else np.asarray(t.prompt_ids, dtype=np.int32)
-            samples.append(Sample(
-                prompt_ids=own_prompt, response_ids=t.token_ids,
-                logprobs=t.logprobs, loss_mask=t.loss_mask, reward=reward_list[j], version=firsts[j],
-                version_first=firsts[j], version_last=lasts[j], rewards={n: float(v[j]) for n, v in extras.items()},
-                timings=dict(t.timings), tensors=dict(prompt.multimodal or {}), turns=t.turns,
-                metadata={"finish_reason": t.finish_reason, **t.metadata, **prompt_meta},
-            ))
-        groups.append(SampleGroup(group_id=f"{writer_id}:{counter + i}", samples=samples))
-    return groups, {"rollout/groups_dropped_reward_error": float(dropped)}
+        for j, s in zip(idx, group):
+            if not len(s.prompt_ids):  # a sample of the prompt's (multi-turn samples carry their own)
+                if prompt_ids is None:
+                    prompt_ids = np.asarray(prompt.prompt_ids, dtype=np.int32)
+                s.prompt_ids = prompt_ids
+            s.reward = reward_list[j]
+            s.rewards.update((n, float(v[j])) for n, v in extras.items())
+            s.version, s.version_first, s.version_last = firsts[j], firsts[j], lasts[j]
+            s.group_id = group_id
+            if prompt.multimodal:
+                s.tensors = dict(prompt.multimodal)
+            s.metadata = {"finish_reason": s.finish_reason, **s.metadata, **prompt_meta}
+        groups.append(SampleGroup(group_id=group_id, samples=list(group)))
+    return groups, {"rollout/groups_dropped_reward_error": float(dropped), "rollout/groups_empty": float(empty)}

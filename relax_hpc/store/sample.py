@@ -1,124 +1,26 @@
-"""Samples and prompt groups as the store sees them: numpy arrays plus small JSON-able dicts.
+"""Validation of samples on their way into a shard: :func:`check_sample` (one sample, any accepted input) and
+:func:`check_columns` (a whole shard field by field, the common case), giving the stored dtypes and the JSON part.
 
-A :class:`Sample` is one rollout (prompt + response) with everything the trainer needs; a :class:`SampleGroup` holds
-the ``n`` samples of one prompt (GRPO computes advantages within a group, so groups are never split).
-
-Multimodal tensors (``pixel_values``, ``image_grid_thw``, ``input_features``, video frames ...) may be numpy arrays
-or torch tensors (detected by duck typing; torch is never imported to read). Dtypes numpy lacks (``bfloat16``,
-``float8_*``) are stored as their raw bits (``uint16`` / ``uint8``) with the logical dtype name recorded in
-:attr:`Sample.tensor_dtypes`; :func:`to_torch` views the bits back.
+The sample itself is :class:`relax_hpc.record.Sample` (re-exported here and from :mod:`relax_hpc.store`): the store
+writes it and reads it back as the same class.
 """
 
 from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from relax_hpc.errors import SampleValidationError
+from relax_hpc.record import RAW_DTYPES, Sample, SampleGroup, to_torch
 
-#: Logical dtypes numpy has no type for -> the unsigned type of the same width that carries their bits.
-RAW_DTYPES: dict[str, type[np.unsignedinteger]] = {
-    "bfloat16": np.uint16,
-    "float8_e4m3fn": np.uint8,
-    "float8_e5m2": np.uint8,
-    "float8_e4m3fnuz": np.uint8,
-    "float8_e5m2fnuz": np.uint8,
-}
+__all__ = ["RAW_DTYPES", "CheckedColumns", "CheckedSample", "Sample", "SampleGroup", "check_columns", "check_sample",
+           "ones_mask", "tensor_to_numpy", "to_torch"]
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
-_REQUIRED = ("prompt_ids", "response_ids", "logprobs", "reward")
-
-
-@dataclass(eq=False, slots=True)
-class Sample:
-    """One rollout. Token arrays are 1-D; ``loss_mask``/``logprobs`` have one entry per response token.
-
-    On write ``loss_mask=None`` means "train on every response token" and ``version_first``/``version_last`` default
-    to ``version``. On read every field is filled in and ``stale`` tells whether ``version`` is below the
-    ``min_version`` the plan asked for (``stale_policy="flag"``).
-    """
-
-    prompt_ids: np.ndarray
-    """Prompt token ids (integer dtype, stored as int32)."""
-    response_ids: np.ndarray
-    """Response token ids, including tool/environment tokens of multi-turn rollouts."""
-    logprobs: np.ndarray
-    """Per response token log-probability under the rollout policy (stored as float32)."""
-    reward: float
-    """The scalar reward used for the advantage."""
-    loss_mask: np.ndarray | None = None
-    """1 for tokens the policy generated, 0 for tool/environment tokens (stored as uint8)."""
-    version: int = 0
-    """Policy (weight snapshot) version that generated the sample."""
-    version_first: int | None = None
-    """Oldest version used if the weights changed mid-generation (defaults to ``version``)."""
-    version_last: int | None = None
-    """Newest version used if the weights changed mid-generation (defaults to ``version``)."""
-    rewards: dict[str, float] = field(default_factory=dict)
-    """Optional named extra rewards (``format``, ``length_penalty`` ...)."""
-    timings: dict[str, float] = field(default_factory=dict)
-    """Seconds spent per phase (``generate``, ``reward`` ...)."""
-    metadata: dict[str, Any] = field(default_factory=dict)
-    """Any JSON-able data (sample id, dataset row, finish reason ...)."""
-    tensors: dict[str, Any] = field(default_factory=dict)
-    """Named multimodal tensors of any shape: numpy arrays or torch tensors on write, numpy arrays on read."""
-    tensor_dtypes: dict[str, str] = field(default_factory=dict)
-    """Logical dtype name per tensor (on read always filled; on write only needed for raw ``bfloat16`` bits)."""
-    group_id: str = ""
-    """Set from the :class:`SampleGroup` on write and filled in on read."""
-    stale: bool = False
-    """On read: ``version < min_version`` of the plan (only ever True with ``stale_policy="flag"``)."""
-    turns: np.ndarray | None = None
-    """Multi-turn samples: ``[T, 2]`` (start, end) of each generated turn in ``response_ids`` (stored as int32 in
-    the shard's ``turns`` column; ``0 <= start <= end <= len(response_ids)``, turns in order, not overlapping).
-    None for single-turn samples and for samples of shards written before the column existed."""
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Sample:
-        """Build a sample from a plain dict; missing or unknown keys raise :class:`SampleValidationError`."""
-        if not isinstance(data, dict):
-            raise SampleValidationError(f"a sample must be a dict or a Sample, got {type(data).__name__}")
-        missing = [k for k in _REQUIRED if k not in data]
-        if missing:
-            raise SampleValidationError(f"sample is missing required key(s): {', '.join(missing)}")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise SampleValidationError(f"sample has unknown key(s): {', '.join(unknown)} (known: {sorted(known)})")
-        return cls(**data)
-
-    def torch_tensor(self, name: str) -> Any:
-        """The multimodal tensor ``name`` as a torch tensor in its logical dtype (imports torch)."""
-        arr = self.tensors[name]
-        return to_torch(arr, self.tensor_dtypes.get(name, arr.dtype.name))
-
-
-@dataclass(eq=False)
-class SampleGroup:
-    """The samples of one prompt. ``group_id`` must be unique within the run (e.g. ``<writer>:<n>``)."""
-
-    group_id: str
-    samples: list[Sample]
-
-
-def to_torch(array: np.ndarray, dtype_name: str | None = None) -> Any:
-    """Turn a stored array into a torch tensor of logical dtype ``dtype_name`` (views raw bits, no copy)."""
-    import torch
-
-    tensor = torch.from_numpy(array if array.flags.c_contiguous else array.copy(order="C"))
-    if dtype_name is None or dtype_name == array.dtype.name:
-        return tensor
-    if dtype_name in RAW_DTYPES:
-        if array.dtype != RAW_DTYPES[dtype_name]:
-            raise ValueError(
-                f"{dtype_name} bits must be stored as {np.dtype(RAW_DTYPES[dtype_name]).name}, got {array.dtype.name}"
-            )
-        return tensor.view(getattr(torch, dtype_name))
-    raise ValueError(f"cannot view a {array.dtype.name} array as {dtype_name}")
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """What the trainer consumes, and packing into micro-batches without padding.
 
-A :class:`TrainItem` is one sample (prompt + response) with everything the loss needs. :func:`pack` groups items into
+A :class:`TrainItem` is one sample record (:class:`relax_hpc.record.Sample`, as the store reads it) plus what the
+step computes for it: its advantage and weight. :func:`pack` groups items into
 micro-batches of at most ``max_tokens`` tokens (first-fit decreasing), each laid out as ``R`` rows of ``W`` tokens
 with position ids that restart at every sequence; HF models build a block-diagonal causal mask from the position ids
 (no attention across sequences; SDPA models on the CPU get it ready-made, ``models/masks.py``). The tail of a row
@@ -22,47 +23,44 @@ from typing import Any
 
 import numpy as np
 
+from relax_hpc.record import Sample
+
 DEFAULT_ATTN_SCALE = 6.0 * 64
 """``attn_scale`` of :func:`choose_row_width` for a model of hidden size 64 (the trainer passes 6 x its own)."""
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class TrainItem:
-    """One sample as the trainer sees it."""
+    """One sample as the trainer sees it: the record itself (not a copy) and its advantage."""
 
-    prompt_ids: np.ndarray
-    """[P] int prompt token ids."""
-    response_ids: np.ndarray
-    """[R] int response token ids."""
-    rollout_logprobs: np.ndarray
-    """[R] float log-probs recorded by the rollout engine."""
-    loss_mask: np.ndarray
-    """[R] 0/1: tokens that count in the loss (tool/environment tokens are 0)."""
+    sample: Sample
+    """Prompt and response ids, rollout log-probs, loss mask (tool/environment tokens 0), reward, version, group,
+    ``stale`` (older than the step's ``max_staleness`` bound but kept, ``store.stale_policy: flag``: the trainer clips
+    its ratio around its own current log-probs and corrects by the truncated importance weight against the
+    rollout's), multimodal tensors (such items get a micro-batch of their own unless packed by the model's 3-D
+    positions)."""
     advantage: float = 0.0
     """Sequence advantage (filled by the algorithm before packing)."""
-    reward: float = 0.0
-    """Scalar reward."""
-    version: int = 0
-    """Policy version that generated the sample."""
-    group_id: str = ""
-    """Prompt group."""
     weight: float = 1.0
     """Extra per-sample weight of the policy-gradient term."""
-    stale: bool = False
-    """Older than the step's ``max_staleness`` bound but kept (``store.stale_policy: flag``): the trainer clips its
-    ratio around its own current log-probs and corrects by the truncated importance weight against the rollout's."""
-    multimodal: dict[str, Any] = field(default_factory=dict)
-    """Named model inputs (pixel_values ...) as torch tensors or numpy arrays: such items get a micro-batch of their
-    own."""
     token_advantages: np.ndarray | None = None
     """[R] per-token advantages (distillation); overrides ``advantage`` when set."""
-    turns: np.ndarray | None = None
-    """[T, 2] (start, end) of each generated turn in the response (multi-turn samples; the store's ``turns``
-    column), None for single-turn samples."""
+
+    @classmethod
+    def of(cls, prompt_ids: Any, response_ids: Any, *, logprobs: Any = None, loss_mask: Any = None,
+           advantage: float = 0.0, weight: float = 1.0, token_advantages: np.ndarray | None = None,
+           **sample_fields: Any) -> TrainItem:
+        """An item built from arrays (the supervised warm-up, benchmarks, tests): log-probs 0 and the mask all ones
+        unless given; ``sample_fields`` are the record's other fields (``reward``, ``group_id``, ``tensors`` ...)."""
+        p, r = np.asarray(prompt_ids), np.asarray(response_ids)
+        lp = np.zeros(len(r), np.float32) if logprobs is None else np.asarray(logprobs)
+        mask = np.ones(len(r), np.uint8) if loss_mask is None else np.asarray(loss_mask)
+        return cls(Sample(prompt_ids=p, response_ids=r, logprobs=lp, loss_mask=mask, **sample_fields),
+                   advantage=advantage, weight=weight, token_advantages=token_advantages)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
+        return len(self.sample.prompt_ids) + len(self.sample.response_ids)
 
 
 @dataclass
@@ -173,15 +171,16 @@ def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu", rows: bool
             start[i] = r * width + col
             col += lengths[i]
         fill[r] = col
-    n_prompt = np.fromiter((len(it.prompt_ids) for it in items), dtype=np.int64, count=n)
-    n_resp = np.fromiter((len(it.response_ids) for it in items), dtype=np.int64, count=n)
+    samples = [it.sample for it in items]
+    n_prompt = np.fromiter((len(s.prompt_ids) for s in samples), dtype=np.int64, count=n)
+    n_resp = np.fromiter((len(s.response_ids) for s in samples), dtype=np.int64, count=n)
     seq_len = n_prompt + n_resp
 
     def within(counts: np.ndarray) -> np.ndarray:  # 0, 1, ... counts[s]-1 for each s, concatenated
         total = int(counts.sum())
         return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
-    tokens = np.concatenate([a for it in items for a in (it.prompt_ids, it.response_ids)]).astype(np.int64)
+    tokens = np.concatenate([a for s in samples for a in (s.prompt_ids, s.response_ids)]).astype(np.int64)
     offset = within(seq_len)
     ids_t = np.zeros(n_rows * width, dtype=np.int64)
     ids_t[np.repeat(start, seq_len) + offset] = tokens
@@ -191,10 +190,10 @@ def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu", rows: bool
     pos_t[np.repeat(start, seq_len) + offset] = offset
     j = within(n_resp)
     logit_index = np.repeat(start + n_prompt - 1, n_resp) + j
-    targets = np.concatenate([it.response_ids for it in items]).astype(np.int64)
+    targets = np.concatenate([s.response_ids for s in samples]).astype(np.int64)
     seq_ids = np.repeat(np.arange(n, dtype=np.int64), n_resp)
-    lp = np.concatenate([it.rollout_logprobs for it in items]).astype(np.float32)
-    mask = np.concatenate([it.loss_mask for it in items]).astype(np.float32)
+    lp = np.concatenate([s.logprobs for s in samples]).astype(np.float32)
+    mask = np.concatenate([s.mask() for s in samples]).astype(np.float32)
     adv = np.repeat(np.asarray([it.advantage for it in items], dtype=np.float32), n_resp)
     if any(it.token_advantages is not None for it in items):
         first = np.cumsum(n_resp) - n_resp
@@ -207,8 +206,8 @@ def build_micro_batch(items: list[TrainItem], *, device: Any = "cpu", rows: bool
         return torch.from_numpy(a).to(device)
 
     model_kwargs: dict[str, Any] = {}
-    if len(items) == 1 and items[0].multimodal:
-        model_kwargs = {k: torch.as_tensor(v).to(device) for k, v in items[0].multimodal.items()}
+    if len(items) == 1 and samples[0].tensors:
+        model_kwargs = {k: torch.as_tensor(v).to(device) for k, v in samples[0].model_inputs().items()}
     # -- omni-modal: VL/Omni models get per-sample 3-D positions and all samples' media from
     # -- relax_hpc.models.mrope.packed_inputs (in response_logits); seq_starts tells it where each sample sits.
     return MicroBatch(input_ids=t(ids_t.reshape(n_rows, width)), position_ids=t(pos_t.reshape(n_rows, width)),
@@ -222,7 +221,7 @@ def pack(items: list[TrainItem], max_tokens: int, *, device: Any = "cpu", rows: 
     """Pack items into micro-batches of at most ``max_tokens`` tokens each (see the module docstring). Items with
     media get a micro-batch of their own unless ``pack_multimodal`` (VL/Omni models: their 3-D positions are
     computed per sample, see :mod:`relax_hpc.models.mrope`)."""
-    alone = set() if pack_multimodal else {i for i, it in enumerate(items) if it.multimodal}
+    alone = set() if pack_multimodal else {i for i, it in enumerate(items) if it.sample.tensors}
     groups = plan_packs([it.num_tokens for it in items], max_tokens, alone=alone)
     return [build_micro_batch([items[i] for i in g], device=device, rows=rows, attn_scale=attn_scale)
             for g in groups]

@@ -29,9 +29,9 @@ def prepare_items(items: list[TrainItem], cfg: RecipeConfig, algorithm: Any) -> 
     a = cfg.algorithm
     if not items:
         return Prepared([], {"rollout/num_samples": 0})
-    rewards = np.array([it.reward for it in items], dtype=np.float64)
-    lengths = np.array([len(it.response_ids) for it in items])
-    groups = np.array([it.group_id for it in items])
+    rewards = np.array([it.sample.reward for it in items], dtype=np.float64)
+    lengths = np.array([len(it.sample.response_ids) for it in items])
+    groups = np.array([it.sample.group_id for it in items])
     max_new = cfg.rollout.sampling.max_new_tokens
     adv, keep = common.step_advantages(algorithm, rewards, groups, lengths, cfg=a, max_new_tokens=max_new)
     metrics = {"rollout/reward": float(rewards.mean()), "rollout/reward_std": float(rewards.std()),

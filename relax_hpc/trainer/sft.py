@@ -46,8 +46,8 @@ def sft_step(model: Any, optimizer: Any, pairs: list[tuple[list[int], list[int]]
 
     media = media or [None] * len(pairs)
     weights = weights or [1.0] * len(pairs)
-    items = [TrainItem(prompt_ids=np.asarray(p), response_ids=np.asarray(a), rollout_logprobs=np.zeros(len(a)),
-                       loss_mask=np.full(len(a), w), multimodal=mm or {})
+    items = [TrainItem.of(prompt_ids=np.asarray(p), response_ids=np.asarray(a), logprobs=np.zeros(len(a)),
+                       loss_mask=np.full(len(a), w), tensors=mm or {})
              for (p, a), mm, w in zip(pairs, media, weights, strict=True)]
     mbs = pack(items, max_tokens, device=device,  # sft: small vocab models use rows too
                pack_multimodal=MRope.of(model) is not None)

@@ -175,12 +175,12 @@ class TorchBackend(TrainerBackend):
         import torch
 
         proximal = self.cfg.algorithm.proximal
-        need = [k for k, mb in enumerate(mbs) if proximal or any(it.stale for it in mb.items)]
+        need = [k for k, mb in enumerate(mbs) if proximal or any(it.sample.stale for it in mb.items)]
         out: list[Any] = [None] * len(mbs)
         for k, prox in zip(need, self._policy_logprobs([mbs[k] for k in need]), strict=True):
             if prox is not None and not proximal:
                 mb = mbs[k]
-                per_token = torch.tensor([it.stale for it in mb.items], device=prox.device)[mb.seq_ids]
+                per_token = torch.tensor([it.sample.stale for it in mb.items], device=prox.device)[mb.seq_ids]
                 prox = torch.where(per_token, prox, mb.rollout_logprobs)
             out[k] = prox
         return out

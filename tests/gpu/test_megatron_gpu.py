@@ -69,9 +69,9 @@ def test_packed_logprobs_are_the_hf_models_per_sequence() -> None:
         got = tr.sequence_logprobs(tr.model, mb)[0].float().cpu()
         want = []
         for it in mb.items:
-            ids = torch.as_tensor(list(it.prompt_ids) + list(it.response_ids), device="cuda")[None]
-            logits = hf(input_ids=ids).logits[0, len(it.prompt_ids) - 1:-1].float() / tr.temperature
-            want.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(it.prompt_ids):, None])[:, 0].cpu())
+            ids = torch.as_tensor(list(it.sample.prompt_ids) + list(it.sample.response_ids), device="cuda")[None]
+            logits = hf(input_ids=ids).logits[0, len(it.sample.prompt_ids) - 1:-1].float() / tr.temperature
+            want.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(it.sample.prompt_ids):, None])[:, 0].cpu())
     torch.testing.assert_close(got, torch.cat(want), atol=3e-2, rtol=0)
 
 

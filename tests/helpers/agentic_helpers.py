@@ -223,3 +223,27 @@ def qwen_style_tokenizer() -> Any:
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = QWEN_STYLE_TEMPLATE
     return tok
+
+
+def env_driver(cfg: Any, tok: Any, engine: RolloutEngine, *, n: int | None = None, temperature: float | None = None,
+               writer: Any = None, writer_id: str = "rollout-0.t") -> Any:
+    """The production multi-turn path for a recipe with ``rollout.env``: a rollout driver with its
+    :class:`~relax_hpc.envs.driver_episode.EnvEpisode` (``driver.episode``), ``n`` episodes per prompt (default: the
+    recipe's ``n_samples``) at the recipe's sampling settings (``temperature`` overrides)."""
+    from relax_hpc.envs.driver_episode import EnvEpisode
+    from relax_hpc.rollout.driver import RolloutDriver
+    from relax_hpc.rollout.engine import SamplingParams
+
+    s = cfg.rollout.sampling
+    sampling = SamplingParams(n=n or cfg.rollout.n_samples, temperature=s.temperature if temperature is None
+                              else temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                              stop=tuple(s.stop))
+    return RolloutDriver(engine, tok, None, sampling=sampling, writer_id=writer_id, writer=writer,
+                         episode=EnvEpisode(cfg, tok))
+
+
+def task_prompts(tasks: Sequence[Any]) -> list[Any]:
+    """Data prompts for environment tasks (:class:`~relax_hpc.envs.api.Task`): the environment renders them."""
+    from relax_hpc.data.dataset import Prompt
+
+    return [Prompt(prompt_ids=[], answer=t.answer, meta=dict(t.meta), raw=t.prompt) for t in tasks]

@@ -1,16 +1,16 @@
 """The tiny tool task learns: GRPO on ``digit_lookup`` (the answer is a secret only the tool knows) with the tiny
-model and the built-in digits tokenizer, episodes through the episode runner, updates by the real torch trainer.
+model and the built-in digits tokenizer, episodes through the rollout driver's multi-turn path, updates by the real
+torch trainer.
 Prints the success rate (greedy, held-out prompts) and the tool-call rate before and after. A diagnostic beside
 the real pipeline (``relax-hpc submit`` of the recipe, whose warm-up is the environment's ``warmup_examples`` hook:
-tests/integration/test_envs_learning.py): this loop adds greedy evaluation on held-out prompts.
+tests/test_envs_learning.py): this loop adds greedy evaluation on held-out prompts.
 
-    python tests/helpers/agentic_learning.py --steps 300
+    python tests/agentic_learning.py --steps 300
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import time
@@ -18,35 +18,26 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from agentic_helpers import ModelEngine
+from agentic_helpers import ModelEngine, env_driver, task_prompts
 
 from relax_hpc.algorithms.registry import get_algorithm
 from relax_hpc.config.load import load_recipe
 from relax_hpc.envs.api import Task
-from relax_hpc.envs.metrics import episode_metrics
-from relax_hpc.envs.rollout import EpisodeRunner
+from relax_hpc.envs.metrics import episode_metrics, stats_of_samples
 from relax_hpc.models.tiny import build_digits_tokenizer, build_tiny_model
-from relax_hpc.trainer.batch import TrainItem
+from relax_hpc.trainer.items import samples_to_items
 from relax_hpc.trainer.torch_trainer import TorchTrainer
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-digit-lookup-tool.yaml"
 
 
-def evaluate(runner: EpisodeRunner, engine: ModelEngine, prompts: list[str], seed: int) -> dict[str, float]:
-    greedy = runner.sampling
-    runner.sampling = type(greedy)(**{**greedy.__dict__, "temperature": 0.0})
-    try:
-        groups = asyncio.run(_groups(runner, engine, prompts, 1, seed))
-    finally:
-        runner.sampling = greedy
-    eps = [e for g in groups for e in g.episodes]
-    return {"success": float(np.mean([e.stats.reward >= 1.0 for e in eps])),
-            "tool_call_rate": float(np.mean([e.stats.tool_calls > 0 for e in eps]))}
-
-
-async def _groups(runner, engine, prompts, n, seed):
-    return await asyncio.gather(*(runner.run_group(engine, Task(p), n=n, seed=seed + i, group_id=f"{seed}-{i}")
-                                  for i, p in enumerate(prompts)))
+def evaluate(cfg, tok, engine: ModelEngine, prompts: list[str], seed: int) -> dict[str, float]:
+    """Greedy, one episode per held-out prompt (through the rollout driver's multi-turn path)."""
+    driver = env_driver(cfg, tok, engine, n=1, temperature=0.0, writer_id=f"eval-{seed}")
+    eps = stats_of_samples(s.metadata for g in driver.call(driver.rollout(task_prompts([Task(p) for p in prompts])))
+                           for s in g)
+    return {"success": float(np.mean([e.reward >= 1.0 for e in eps])),
+            "tool_call_rate": float(np.mean([e.tool_calls > 0 for e in eps]))}
 
 
 def reading_warmup(model, tok, steps: int, rng: random.Random, length: int = 1) -> None:
@@ -105,30 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     tok = build_digits_tokenizer()
     model = build_tiny_model(cfg.model.tiny, len(tok), seed=args.seed, pad_token_id=tok.pad_token_id)
     engine = ModelEngine(model, tok, chunk=cfg.rollout.sampling.max_new_tokens)
-    runner = EpisodeRunner(cfg, tok)
+    driver = env_driver(cfg, tok, engine)
     trainer = TorchTrainer(cfg, model, device="cpu", dtype=torch.float32, algorithm=get_algorithm(cfg.algorithm.name))
     algo = trainer.algorithm
     rng = random.Random(args.seed)
     held_out = [f"{rng.randrange(100):02d}" for _ in range(200)]
     reading_warmup(model, tok, args.warmup_steps, rng, int(cfg.rollout.env.kwargs.get("length", 1)))
-    before = evaluate(runner, engine, held_out, 10**6)
+    before = evaluate(cfg, tok, engine, held_out, 10**6)
     print(json.dumps({"step": 0, **before}), flush=True)
     t0 = time.time()
     for step in range(1, args.steps + 1):
         prompts = [f"{rng.randrange(100):02d}" for _ in range(cfg.rollout.prompts_per_step)]
-        groups = asyncio.run(_groups(runner, engine, prompts, cfg.rollout.n_samples, step * 1000))
-        items, stats = [], []
-        for gi, g in enumerate(groups):
-            stats += [e.stats for e in g.episodes]
-            if g.dropped:
-                continue
-            for e in g.episodes:
-                for s in e.samples:
-                    items.append(TrainItem(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-                                           rollout_logprobs=s.logprobs, loss_mask=s.loss_mask.astype(np.float32),
-                                           reward=e.stats.reward, group_id=f"g{gi}"))
-        rewards = np.array([it.reward for it in items], dtype=np.float32)
-        gids = np.array([it.group_id for it in items])
+        res = driver.run_batch(task_prompts([Task(p) for p in prompts]))  # the groups to train on, rewards set
+        stats = stats_of_samples(s.metadata for g in res.generated for s in g)
+        items = samples_to_items([s for g in res.groups for s in g.samples])
+        rewards = np.array([it.sample.reward for it in items], dtype=np.float32)
+        gids = np.array([it.sample.group_id for it in items])
         adv = algo.sequence_advantages(rewards, gids, cfg.algorithm)
         for it, a in zip(items, adv):
             it.advantage = float(a)
@@ -141,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                               "tool_calls_per_turn": round(am["agent/tool_calls_per_turn"], 2),
                               "loss": round(m["train/loss"], 4), "s": round(time.time() - t0, 1)}), flush=True)
         if step % args.eval_every == 0 or step == args.steps:
-            print(json.dumps({"step": step, **evaluate(runner, engine, held_out, 10**6)}), flush=True)
-    after = evaluate(runner, engine, held_out, 10**6)
+            print(json.dumps({"step": step, **evaluate(cfg, tok, engine, held_out, 10**6)}), flush=True)
+    after = evaluate(cfg, tok, engine, held_out, 10**6)
     print(json.dumps({"before": before, "after": after, "steps": args.steps, "seconds": round(time.time() - t0)}))
     return 0
 

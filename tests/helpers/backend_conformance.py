@@ -77,8 +77,8 @@ def make_items(n: int = 12, seed: int = 0, *, stale_every: int = 0) -> list[Trai
         mask = np.ones(len(r), dtype=np.float32)
         if len(r) > 2:
             mask[1] = 0
-        items.append(TrainItem(prompt_ids=p, response_ids=r,
-                               rollout_logprobs=-np.abs(rng.normal(2.8, 0.5, len(r))).astype(np.float32),
+        items.append(TrainItem.of(prompt_ids=p, response_ids=r,
+                               logprobs=-np.abs(rng.normal(2.8, 0.5, len(r))).astype(np.float32),
                                loss_mask=mask, advantage=float(rng.normal()), reward=float(rng.random()),
                                group_id=f"g{i // 4}", stale=bool(stale_every and i % stale_every == 0)))
     return items
@@ -97,10 +97,11 @@ def reference_model(backend: TrainerBackend) -> Any:
 
 
 def _logprobs(model: Any, it: TrainItem, temperature: float) -> torch.Tensor:
-    ids = torch.as_tensor(np.concatenate([it.prompt_ids, it.response_ids]), dtype=torch.long)[None]
-    p = len(it.prompt_ids)
+    ids = torch.as_tensor(np.concatenate([it.sample.prompt_ids, it.sample.response_ids]), dtype=torch.long)[None]
+    p = len(it.sample.prompt_ids)
     logits = model(input_ids=ids, use_cache=False).logits[0, p - 1:-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(it.response_ids, dtype=torch.long)[:, None])[:, 0]
+    targets = torch.as_tensor(it.sample.response_ids, dtype=torch.long)
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
 
 
 def reference_step(model: Any, items: list[TrainItem], cfg: RecipeConfig) -> dict[str, float]:
@@ -115,14 +116,14 @@ def reference_step(model: Any, items: list[TrainItem], cfg: RecipeConfig) -> dic
     per_seq, masks, clipped, kl, tis = [], [], [], [], []
     for it in items:
         logp = _logprobs(model, it, temp)
-        rollout = torch.as_tensor(it.rollout_logprobs, dtype=torch.float32)
-        old = logp.detach() if it.stale else rollout
+        rollout = torch.as_tensor(it.sample.logprobs, dtype=torch.float32)
+        old = logp.detach() if it.sample.stale else rollout
         w = torch.exp(old - rollout).clamp(max=a.tis_cap)
         ratio = torch.exp(logp - old)
         adv = torch.full_like(logp, it.advantage)
         unclipped, clip = -adv * ratio, -adv * ratio.clamp(1 - a.clip_low, 1 + a.clip_high)
         loss_t = torch.maximum(unclipped, clip) * w
-        m = torch.as_tensor(it.loss_mask, dtype=torch.float32)
+        m = torch.as_tensor(it.sample.loss_mask, dtype=torch.float32)
         per_seq.append(loss_t * m)
         masks.append(m)
         clipped.append((clip > unclipped).float() * m)

@@ -93,8 +93,8 @@ def recompute(model: torch.nn.Module, prompt: list[int], response: np.ndarray, t
     cfg = validate_dict({"data": {"task": {"name": "reverse_digits"}}, "model": {"path": "tiny"},
                          "trainer": {"device": "cpu"}, "rollout": {"sampling": {"temperature": temperature}}})
     trainer = TorchTrainer(cfg, model, device="cpu", dtype=torch.float32, algorithm=None)
-    item = TrainItem(prompt_ids=np.asarray(prompt), response_ids=np.asarray(response),
-                     rollout_logprobs=np.zeros(len(response), np.float32), loss_mask=np.ones(len(response)))
+    item = TrainItem.of(prompt_ids=np.asarray(prompt), response_ids=np.asarray(response),
+                     logprobs=np.zeros(len(response), np.float32), loss_mask=np.ones(len(response)))
     with torch.no_grad():
         lp, _ = trainer.sequence_logprobs(model, build_micro_batch([item], rows=False))
     return lp.numpy()

@@ -17,6 +17,6 @@ def items() -> list[TrainItem]:
     for i in range(12):
         p = rng.integers(4, 18, size=rng.integers(3, 7))
         r = rng.integers(4, 18, size=rng.integers(2, 8))
-        out.append(TrainItem(prompt_ids=p, response_ids=r, rollout_logprobs=-np.abs(rng.normal(2.5, 0.3, len(r))),
-                             loss_mask=np.ones(len(r)), advantage=float(rng.normal()), group_id=f"g{i // 4}"))
+        out.append(TrainItem.of(prompt_ids=p, response_ids=r, logprobs=-np.abs(rng.normal(2.5, 0.3, len(r))),
+                                loss_mask=np.ones(len(r)), advantage=float(rng.normal()), group_id=f"g{i // 4}"))
     return out

@@ -23,7 +23,7 @@ def items(vocab: int, n: int = 6):
     out = []
     for k in range(n):
         p, r = int(rng.integers(3, 9)), int(rng.integers(4, 14))
-        out.append(TrainItem(prompt_ids=rng.integers(1, vocab, p), response_ids=rng.integers(1, vocab, r),
-                             rollout_logprobs=np.full(r, -3.0, dtype=np.float32), loss_mask=np.ones(r),
-                             advantage=float(rng.normal()), group_id=str(k // 2)))
+        out.append(TrainItem.of(prompt_ids=rng.integers(1, vocab, p), response_ids=rng.integers(1, vocab, r),
+                                logprobs=np.full(r, -3.0, dtype=np.float32), loss_mask=np.ones(r),
+                                advantage=float(rng.normal()), group_id=str(k // 2)))
     return out

@@ -45,7 +45,7 @@ def _episodes_across_updates(tmp_path: Path, delay_s: float) -> bool:
     generate = engine.generate
 
     async def counting(req):  # the real engine; only counts the requests of each turn
-        if "-t0-" in req.request_id:
+        if ".t0/" in req.request_id:
             first_turns.append(req.request_id)
         else:
             later_turns.append(req.request_id)
@@ -71,13 +71,13 @@ def _episodes_across_updates(tmp_path: Path, delay_s: float) -> bool:
         return await asyncio.wait_for(task, 300)
 
     try:
-        trajs = driver.call(go())
+        generated = driver.call(go())
         stats = list(episode.stats)
         assert len(stats) == 32 and all(s.error is None for s in stats)
         if sum(s.aborted_turns for s in stats) == 0:
             return False  # both updates fell between turns: nothing to check about straddling tokens
         both = 0
-        for group in trajs:
+        for group in generated:
             for t in group:
                 gen = t.versions[t.loss_mask.astype(bool)]
                 assert (np.diff(gen) >= 0).all() and set(gen.tolist()) <= {0, 1, 2}
@@ -88,14 +88,14 @@ def _episodes_across_updates(tmp_path: Path, delay_s: float) -> bool:
             return False
         from relax_hpc.rollout.driver import build_groups
 
-        groups, _ = build_groups(prompts, trajs, episode.score(prompts, trajs), writer_id="rollout-0.t", counter=0,
-                                 default_version=1)
+        groups, _ = build_groups(prompts, generated, episode.score(prompts, generated), writer_id="rollout-0.t",
+                                 counter=0, default_version=1)
         driver.writer.write(groups)
         samples = [s for ref in list_shards(rd, "rollout-0.t")
                    for s in read_shard(store_paths(rd).writer_folder("rollout-0.t") / ref.name)]
         assert len(samples) == 32
         assert all(len(s.prompt_ids) > 0 and s.turns is not None and len(s.turns) for s in samples)  # own prompts
-        flat = [t for g in trajs for t in g]  # the turn-boundary column reads back bit for bit
+        flat = [t for g in generated for t in g]  # the turn-boundary column reads back bit for bit
         assert sorted(s.turns.tobytes() for s in samples) == sorted(t.turns.astype(np.int32).tobytes() for t in flat)
         m = episode.take_metrics()
         assert m["agent/episodes"] == 32 and m["agent/aborted_turns"] > 0

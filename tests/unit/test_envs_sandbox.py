@@ -213,7 +213,7 @@ def test_weight_update_mid_episode_continues_the_turn() -> None:
         s = r.samples[0]
         gen = s.versions[s.loss_mask.astype(bool)]
         assert (np.diff(gen) >= 0).all() and gen.min() == 0 and gen.max() == 1
-        assert s.min_version == 0
+        assert s.version_range(-1)[0] == 0
 
 
 def test_resume_after_kill_mid_episode_reads_no_sample_twice(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ def test_digits_template_real_model_concurrent_episodes() -> None:
     for i, res in enumerate(results):
         assert res.stats.error is None and len(res.samples) == 1
         s = res.samples[0]
-        gen = [engine.outputs[f"ep{i}-t{k}-a0"] for k in range(len(s.turns))]
+        gen = [engine.outputs[f"ep{i}/e0.t{k}/1"] for k in range(len(s.turns))]
         check_sample(tok, s, gen)
         # the whole stream decodes to the template's rendering of the conversation (special tokens included)
         text = tok.decode(list(s.prompt_ids) + list(s.response_ids), skip_special_tokens=False)
@@ -203,7 +203,7 @@ def test_loss_ignores_masked_tokens() -> None:
                                            sampling=SamplingParams(max_new_tokens=4), parser=parser, seed=i,
                                            request_id=f"s{i}")).samples
     assert sum(int((s.loss_mask == 0).sum()) for s in samples) >= 6
-    items = [TrainItem(prompt_ids=s.prompt_ids, response_ids=s.response_ids, rollout_logprobs=s.logprobs,
+    items = [TrainItem.of(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logprobs=s.logprobs,
                        loss_mask=s.loss_mask.astype(np.float32), advantage=1.0 if i % 2 else -1.0, group_id="g")
              for i, s in enumerate(samples)]
     trainer = TorchTrainer(rcfg, model, device="cpu", dtype=torch.float32, algorithm=get_algorithm("grpo"))

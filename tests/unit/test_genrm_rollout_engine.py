@@ -7,24 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from relax_hpc.config.schema import RewardConfig
+from relax_hpc.data.dataset import Prompt
 
 pytest.importorskip("torch")
 
 TEMPLATE = "Q: {question} A: {response} Ref: {answer} SCORE:"
-
-
-@dataclass
-class _Prompt:
-    prompt_ids: list[int]
-    answer: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    multimodal: Any = None
 
 
 def _engine(threaded: bool) -> Any:
@@ -67,7 +59,7 @@ def test_the_rollout_engine_judges_the_batch_it_generated(threaded):
     driver = RolloutDriver(engine, tok, runner, sampling=SamplingParams(n=2, temperature=1.0, max_new_tokens=6),
                            writer_id="w0")
     try:
-        prompts = [_Prompt(tok(f"what is {i}+1?")["input_ids"], str(i + 1), {"question": f"{i}+1"})
+        prompts = [Prompt(tok(f"what is {i}+1?")["input_ids"], str(i + 1), {"question": f"{i}+1"})
                    for i in range(4)]
         res = driver.run_batch(prompts)
         assert res.samples == 8 and res.reward_errors == 0 and len(res.groups) == 4

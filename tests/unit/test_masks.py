@@ -35,8 +35,8 @@ def items(k: int, seed: int = 0) -> list[TrainItem]:
     out = []
     for _ in range(k):
         r = rng.integers(1, VOCAB, int(rng.integers(2, 9)))
-        out.append(TrainItem(prompt_ids=rng.integers(1, VOCAB, int(rng.integers(3, 12))), response_ids=r,
-                             rollout_logprobs=np.zeros(len(r), np.float32), loss_mask=np.ones(len(r), np.uint8),
+        out.append(TrainItem.of(prompt_ids=rng.integers(1, VOCAB, int(rng.integers(3, 12))), response_ids=r,
+                             logprobs=np.zeros(len(r), np.float32), loss_mask=np.ones(len(r), np.uint8),
                              reward=0.0, version=0, group_id="g"))
     return out
 

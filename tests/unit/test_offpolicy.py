@@ -22,11 +22,11 @@ def _cfg(**algo):
 
 
 def _current_logprobs(model, it: TrainItem) -> np.ndarray:
-    ids = torch.tensor(np.concatenate([it.prompt_ids, it.response_ids]))[None]
+    ids = torch.tensor(np.concatenate([it.sample.prompt_ids, it.sample.response_ids]))[None]
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), -1)
-    p = len(it.prompt_ids)
-    return lp[p - 1:-1].gather(-1, torch.tensor(it.response_ids)[:, None])[:, 0].numpy()
+    p = len(it.sample.prompt_ids)
+    return lp[p - 1:-1].gather(-1, torch.tensor(it.sample.response_ids)[:, None])[:, 0].numpy()
 
 
 def test_stale_batch_gets_truncated_importance_weights() -> None:
@@ -35,16 +35,16 @@ def test_stale_batch_gets_truncated_importance_weights() -> None:
     rng = np.random.default_rng(0)
     items, cur, stale = [], [], []
     for i in range(8):
-        it = TrainItem(prompt_ids=rng.integers(4, 18, 5), response_ids=rng.integers(4, 18, rng.integers(2, 7)),
-                       rollout_logprobs=np.zeros(1), loss_mask=np.ones(1), advantage=float(rng.normal()),
+        it = TrainItem.of(prompt_ids=rng.integers(4, 18, 5), response_ids=rng.integers(4, 18, rng.integers(2, 7)),
+                       logprobs=np.zeros(1), loss_mask=np.ones(1), advantage=float(rng.normal()),
                        group_id=str(i // 4))
         c = _current_logprobs(model, it)
         shift = rng.normal(0.0, 1.0, len(c)).astype(np.float32)  # the stale policy differs per token
-        it.rollout_logprobs = (c - shift).astype(np.float32)
-        it.loss_mask = np.ones(len(c))
+        it.sample.logprobs = (c - shift).astype(np.float32)
+        it.sample.loss_mask = np.ones(len(c))
         items.append(it)
         cur.append(c)
-        stale.append(it.rollout_logprobs)
+        stale.append(it.sample.logprobs)
     ratio = np.exp(np.concatenate(cur) - np.concatenate(stale))
     want_mean = np.minimum(ratio, 2.0).mean()
     want_clip = (ratio > 2.0).mean()
@@ -61,9 +61,9 @@ def test_on_policy_batch_has_unit_weights() -> None:
     rng = np.random.default_rng(1)
     items = []
     for _ in range(4):
-        it = TrainItem(prompt_ids=rng.integers(4, 18, 4), response_ids=rng.integers(4, 18, 3),
-                       rollout_logprobs=np.zeros(3), loss_mask=np.ones(3), advantage=1.0, group_id="g")
-        it.rollout_logprobs = _current_logprobs(model, it)
+        it = TrainItem.of(prompt_ids=rng.integers(4, 18, 4), response_ids=rng.integers(4, 18, 3),
+                       logprobs=np.zeros(3), loss_mask=np.ones(3), advantage=1.0, group_id="g")
+        it.sample.logprobs = _current_logprobs(model, it)
         items.append(it)
     m = TorchTrainer(cfg, model, device="cpu", dtype=torch.float32, algorithm=get_algorithm("grpo")).train_step(items)
     assert abs(m["train/tis_weight_mean"] - 1.0) < 1e-4

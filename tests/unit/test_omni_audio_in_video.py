@@ -73,19 +73,20 @@ def aiv_item(arch, model, tok, pre, media, i: int, n_resp: int) -> TrainItem:
             "<|vision_end|> what happens?<|im_end|>\n<|im_start|>assistant\n")
     ids = tok(text, add_special_tokens=False)["input_ids"]
     resp = np.random.default_rng(i).integers(20, 200, n_resp)
-    return TrainItem(prompt_ids=np.asarray(ids), response_ids=resp, rollout_logprobs=np.zeros(n_resp, np.float32),
-                     loss_mask=np.ones(n_resp), multimodal=mm)
+    return TrainItem.of(prompt_ids=np.asarray(ids), response_ids=resp, logprobs=np.zeros(n_resp, np.float32),
+                     loss_mask=np.ones(n_resp), tensors=mm)
 
 
 def alone(model, it: TrainItem, audio_in_video: bool) -> torch.Tensor:
     """Response logits of one sample, the model computing its own positions (as in ``generate``)."""
-    ids = torch.from_numpy(np.concatenate([it.prompt_ids, it.response_ids])).long()[None]
+    ids = torch.from_numpy(np.concatenate([it.sample.prompt_ids, it.sample.response_ids])).long()[None]
     rope = rope_of(model)
-    kw = rope.model_kwargs([{k: torch.from_numpy(v) for k, v in it.multimodal.items()}]) if it.multimodal else {}
+    mm = it.sample.tensors
+    kw = rope.model_kwargs([{k: torch.from_numpy(v) for k, v in mm.items()}]) if mm else {}
     out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
                 use_audio_in_video=audio_in_video, **kw).logits[0]
-    p = len(it.prompt_ids)
-    return out[p - 1:p - 1 + len(it.response_ids)]
+    p = len(it.sample.prompt_ids)
+    return out[p - 1:p - 1 + len(it.sample.response_ids)]
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_omni", "qwen3_omni"])
@@ -95,19 +96,19 @@ def test_audio_in_video_positions_in_packed_micro_batches(arch, tok, media):
     rope = rope_of(model)
     items = [aiv_item(arch, model, tok, pre, media, 0, 6)]
     ids = tok("<|im_start|>user\nplain text<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    items.append(TrainItem(prompt_ids=np.asarray(ids["input_ids"]), response_ids=np.arange(30, 37),
-                           rollout_logprobs=np.zeros(7, np.float32), loss_mask=np.ones(7)))
+    items.append(TrainItem.of(prompt_ids=np.asarray(ids["input_ids"]), response_ids=np.arange(30, 37),
+                           logprobs=np.zeros(7, np.float32), loss_mask=np.ones(7)))
     plain = pre.tensors([], [media / "v1.flac"], [media / "v1.mp4"])  # the same media, not interleaved
     text = "<|im_start|>user\n" + pre.placeholders["video"] + pre.placeholders["audio"] + "?<|im_end|>\n"
     img, aud, vid = pre.token_counts(plain)
     ids = pre.expand(tok(text, add_special_tokens=False)["input_ids"], img, aud, "t", video_counts=vid)
-    items.append(TrainItem(prompt_ids=np.asarray(ids), response_ids=np.arange(40, 45),
-                           rollout_logprobs=np.zeros(5, np.float32), loss_mask=np.ones(5), multimodal=plain))
+    items.append(TrainItem.of(prompt_ids=np.asarray(ids), response_ids=np.arange(40, 45),
+                           logprobs=np.zeros(5, np.float32), loss_mask=np.ones(5), tensors=plain))
     items.append(aiv_item(arch, model, tok, pre, media, 1, 4))
-    layout = tok.decode(items[0].prompt_ids)
+    layout = tok.decode(items[0].sample.prompt_ids)
     first_audio, last_video = layout.index("<|AUDIO|>"), layout.rindex("<|video_pad|>")
     assert first_audio < last_video  # interleaved: video chunk, audio chunk, video chunk ...
-    flags = [rope.audio_in_video(torch.as_tensor(it.prompt_ids)) for it in items]
+    flags = [rope.audio_in_video(torch.as_tensor(it.sample.prompt_ids)) for it in items]
     assert flags == [True, False, False, True]
     with torch.no_grad():
         ref = [alone(model, it, f) for it, f in zip(items, flags, strict=True)]
@@ -186,10 +187,10 @@ def test_use_audio_in_video_feeds_the_videos_audio_track(arch, tok, av_rows):
         assert between_vision(tok, p.prompt_ids) == [pre.video_token_id] * vid[0]
     # packed with the others, the dataset's prompt gets the positions the model computes for it alone
     rope = rope_of(model)
-    items = [TrainItem(prompt_ids=np.asarray(p.prompt_ids), response_ids=np.arange(30, 35),
-                       rollout_logprobs=np.zeros(5, np.float32), loss_mask=np.ones(5), multimodal=p.multimodal)
+    items = [TrainItem.of(prompt_ids=np.asarray(p.prompt_ids), response_ids=np.arange(30, 35),
+                       logprobs=np.zeros(5, np.float32), loss_mask=np.ones(5), tensors=p.multimodal)
              for p in (talk, silent, off)]
-    flags = [rope.audio_in_video(torch.as_tensor(it.prompt_ids)) for it in items]
+    flags = [rope.audio_in_video(torch.as_tensor(it.sample.prompt_ids)) for it in items]
     assert flags == [True, False, False]
     with torch.no_grad():
         mb = pack(items, 10**6, pack_multimodal=True)[0]

@@ -65,9 +65,9 @@ def items_for(arch: str, tok, media) -> list[TrainItem]:
     for i in range(len(ds)):
         p = ds[i]
         resp = rng.integers(20, 200, 5 + 3 * i)
-        items.append(TrainItem(prompt_ids=np.asarray(p.prompt_ids), response_ids=resp,
-                               rollout_logprobs=np.zeros(len(resp), np.float32), loss_mask=np.ones(len(resp)),
-                               multimodal=p.multimodal or {}))
+        items.append(TrainItem.of(prompt_ids=np.asarray(p.prompt_ids), response_ids=resp,
+                               logprobs=np.zeros(len(resp), np.float32), loss_mask=np.ones(len(resp)),
+                               tensors=p.multimodal or {}))
     return items
 
 
@@ -75,8 +75,8 @@ def alone_logits(model, it: TrainItem) -> torch.Tensor:
     """Response logits of one sample, the model computing its own 3-D positions (as in ``generate``)."""
     from relax_hpc.models.mrope import MRope
 
-    ids = torch.from_numpy(np.concatenate([it.prompt_ids, it.response_ids])).long()[None]
-    mm = {k: torch.from_numpy(v) for k, v in it.multimodal.items()}
+    ids = torch.from_numpy(np.concatenate([it.sample.prompt_ids, it.sample.response_ids])).long()[None]
+    mm = {k: torch.from_numpy(v) for k, v in it.sample.tensors.items()}
     rope = MRope.of(model)
     kw = rope.model_kwargs([mm]) if mm else {}
     if rope.family == "vl":
@@ -87,14 +87,15 @@ def alone_logits(model, it: TrainItem) -> torch.Tensor:
     else:  # Omni thinkers compute 3-D positions only when given an attention mask (as generate gives them)
         kw["attention_mask"] = torch.ones_like(ids)
     out = model(input_ids=ids, use_cache=False, **kw).logits[0]
-    p = len(it.prompt_ids)
-    return out[p - 1:p - 1 + len(it.response_ids)]
+    p = len(it.sample.prompt_ids)
+    return out[p - 1:p - 1 + len(it.sample.response_ids)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_logits_equal_one_sample_at_a_time(arch, tok, media):
     items = items_for(arch, tok, media)
-    assert any("pixel_values_videos" in it.multimodal for it in items) and any(not it.multimodal for it in items)
+    assert any("pixel_values_videos" in it.sample.tensors for it in items)
+    assert any(not it.sample.tensors for it in items)
     model = build_tiny_multimodal_model(TinyModelConfig(arch=arch), tok, seed=0).eval()
     with torch.no_grad():
         ref = [alone_logits(model, it) for it in items]
@@ -138,13 +139,13 @@ def test_text_only_micro_batch_runs_every_encoder(arch, tok, media):
     model = build_tiny_multimodal_model(TinyModelConfig(arch=arch), tok, seed=0)
     items = items_for(arch, tok, media)
     text, image = items[1], items[0]
-    assert not text.multimodal and "pixel_values" in image.multimodal
+    assert not text.sample.tensors and "pixel_values" in image.sample.tensors
     encoders = [n for n in ("visual", "audio_tower") if hasattr(model.model, n)]
     assert encoders == (["visual"] if arch in ("qwen2_5_vl", "qwen3_vl") else ["visual", "audio_tower"])
     real = {"visual": grads_of(model, [image], "visual")}
     if "audio_tower" in encoders:
         audio = items[4]
-        assert "input_features" in audio.multimodal and "pixel_values" not in audio.multimodal
+        assert "input_features" in audio.sample.tensors and "pixel_values" not in audio.sample.tensors
         real["audio_tower"] = grads_of(model, [audio], "audio_tower")
         # an audio-only micro-batch runs the vision tower on a dummy, and the other way round
         assert set(grads_of(model, [audio], "visual")) == set(real["visual"])
@@ -180,8 +181,8 @@ def test_placeholder_tokens_sampled_in_a_response_are_plain_tokens(arch, tok, me
 
     def logits_with(mid: int):
         resp = np.asarray([40, mid, 41, 42, 43])
-        it = TrainItem(prompt_ids=item.prompt_ids, response_ids=resp, rollout_logprobs=np.zeros(5, np.float32),
-                       loss_mask=np.ones(5), multimodal=item.multimodal)
+        it = TrainItem.of(prompt_ids=item.sample.prompt_ids, response_ids=resp, logprobs=np.zeros(5, np.float32),
+                       loss_mask=np.ones(5), tensors=item.sample.tensors)
         with torch.no_grad():
             return response_logits(model, pack([it], 10**6, pack_multimodal=True)[0])
 

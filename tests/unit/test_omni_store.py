@@ -91,11 +91,11 @@ def test_every_tensor_comes_back_bit_identical_and_trains(setup, tmp_path):
                 assert r.tensors[k].dtype == v.dtype and r.tensors[k].shape == v.shape, k
                 assert r.tensors[k].tobytes() == v.tobytes(), k
     items = samples_to_items(back)
-    assert items[3].multimodal["pixel_values_bf16"].dtype == torch.bfloat16
-    assert items[2].multimodal["frames_u8"].dtype == torch.uint8
+    assert items[3].sample.model_inputs()["pixel_values_bf16"].dtype == torch.bfloat16  # the model's inputs
+    assert items[2].sample.model_inputs()["frames_u8"].dtype == torch.uint8
     model = build_tiny_multimodal_model(TinyModelConfig(arch="qwen2_5_omni"), tok, seed=0)
     for it in items:  # the trainer's inputs: drop the extra copies the model does not take
-        it.multimodal = {k: v for k, v in it.multimodal.items() if k not in ("pixel_values_bf16", "frames_u8")}
+        it.sample.tensors = {k: v for k, v in it.sample.tensors.items() if k not in ("pixel_values_bf16", "frames_u8")}
     mb = pack(items, 10**6, pack_multimodal=True)[0]
     logp = torch.log_softmax(response_logits(model, mb).float(), -1).gather(-1, mb.targets[:, None])[:, 0]
     (-logp.mean()).backward()

@@ -16,8 +16,9 @@ import pytest
 
 from relax_hpc.config.schema import RewardConfig, SamplingConfig
 from relax_hpc.data.dataset import Prompt
-from relax_hpc.rewards import RewardRunner
-from relax_hpc.rollout.driver import Episode, EpisodeContext, RolloutDriver, Trajectory
+from relax_hpc.record import Sample
+from relax_hpc.rewards import RewardRunner, RewardScorer
+from relax_hpc.rollout.driver import Episode, EpisodeContext, RolloutDriver
 from relax_hpc.rollout.engine import SamplingParams
 from relax_hpc.rollout.hf_engine import HFEngine
 from relax_hpc.rundir import RunDir
@@ -69,7 +70,7 @@ def test_sample_aborted_by_a_weight_update_continues_with_the_new_weights(setup:
     d = setup.driver(SamplingParams(n=2, temperature=1.0, max_new_tokens=budget))
     new = perturbed(setup.model, 1)
 
-    async def go() -> list[list[Trajectory]]:
+    async def go() -> list[list[Sample]]:
         task = asyncio.ensure_future(d.rollout(setup.prompts))
         await asyncio.sleep(0.3)
         assert not task.done()
@@ -82,11 +83,11 @@ def test_sample_aborted_by_a_weight_update_continues_with_the_new_weights(setup:
     assert [len(g) for g in trajs] == [2, 2, 2]
     for p, group in zip(setup.prompts, trajs):
         for t in group:
-            assert t.finish_reason == "length" and len(t.token_ids) == budget and t.engine_calls == 2
+            assert t.finish_reason == "length" and len(t.response_ids) == budget and t.engine_calls == 2
             assert (t.loss_mask == 1).all() and t.versions[0] == 0 and t.versions[-1] == 1
             assert (np.diff(t.versions) >= 0).all()
             old = int((t.versions == 0).sum())
-            check_logprobs(setup.model, p.prompt_ids, t.token_ids[:old], t.logprobs[:old], 1.0)
+            check_logprobs(setup.model, p.prompt_ids, t.response_ids[:old], t.logprobs[:old], 1.0)
     from relax_hpc.rollout.driver import build_groups
 
     groups, counts = build_groups(setup.prompts, trajs, d.score(setup.prompts, trajs), writer_id=d.writer_id,
@@ -100,7 +101,7 @@ def test_sample_aborted_by_a_weight_update_continues_with_the_new_weights(setup:
 class ToolEpisode(Episode):
     """Two turns: the model's answer, an environment reply (3 tokens, not trained on), the model again."""
 
-    async def run_sample(self, ctx: EpisodeContext, prompt: Prompt, traj: Trajectory, index: int) -> Trajectory:
+    async def run_sample(self, ctx: EpisodeContext, prompt: Prompt, traj: Sample, index: int) -> Sample:
         traj.append_context([5, 6, 7])
         traj.extend(await ctx.continue_sample(prompt, traj, new_tokens=4))
         traj.metadata["turns"] = 2
@@ -111,15 +112,15 @@ def test_multi_turn_episode_masks_environment_tokens(setup: SimpleNamespace) -> 
     d = setup.driver(SamplingParams(n=2, temperature=1.0, max_new_tokens=3), episode=ToolEpisode())
     res = d.run_batch(setup.prompts[:2])
     assert len(res.groups) == 2 and res.samples == 4
-    for p, group in zip(setup.prompts, res.trajectories):
+    for p, group in zip(setup.prompts, res.generated):
         for t in group:
-            assert len(t.token_ids) == 3 + 3 + 4 and t.engine_calls == 2
+            assert len(t.response_ids) == 3 + 3 + 4 and t.engine_calls == 2
             assert t.loss_mask.tolist() == [1, 1, 1, 0, 0, 0, 1, 1, 1, 1]
-            assert t.versions[3:6].tolist() == [-1, -1, -1] and t.token_ids[3:6].tolist() == [5, 6, 7]
+            assert t.versions[3:6].tolist() == [-1, -1, -1] and t.response_ids[3:6].tolist() == [5, 6, 7]
             gen = t.loss_mask == 1
-            full = np.asarray(p.prompt_ids + t.token_ids.tolist())
+            full = np.asarray(p.prompt_ids + t.response_ids.tolist())
             # the second turn's log-probs are the model's, after the prompt, the first turn and the reply
-            check_logprobs(setup.model, full[:len(p.prompt_ids) + 6].tolist(), t.token_ids[6:], t.logprobs[6:], 1.0)
+            check_logprobs(setup.model, full[:len(p.prompt_ids) + 6].tolist(), t.response_ids[6:], t.logprobs[6:], 1.0)
             assert (t.logprobs[~gen] == 0).all()
     samples = stored(setup.rd)
     assert all(s.loss_mask.tolist() == [1, 1, 1, 0, 0, 0, 1, 1, 1, 1] for s in samples)
@@ -147,16 +148,123 @@ def test_run_batch_writes_groups_and_releases_the_claim(setup: SimpleNamespace) 
     assert res2.groups[0].group_id == "rollout-0.test:3"
 
 
-def test_version_spans_equal_each_trajectorys_version_range() -> None:
+def test_version_spans_equal_each_samples_version_range() -> None:
     """The batch-level spans (one concatenation, two segment reductions) give what ``version_range`` gives per
-    sample: empty trajectories, context tokens (-1) only, context tokens among generated ones, versions not in
-    order."""
-    from relax_hpc.rollout.driver import Trajectory, version_spans
+    sample: empty samples, context tokens (-1) only, context tokens among generated ones, versions not in
+    order, no per-token versions at all."""
+    from relax_hpc.rollout.driver import version_spans
 
     rng = np.random.default_rng(0)
     for _ in range(300):
-        trajs = [Trajectory(versions=rng.integers(-1, 5, size=int(rng.integers(0, 7))).astype(np.int32))
-                 for _ in range(int(rng.integers(0, 10)))]
+        trajs = [Sample(versions=rng.integers(-1, 5, size=int(rng.integers(0, 7))).astype(np.int32))
+                 for _ in range(int(rng.integers(0, 10)))] + [Sample()]
         firsts, lasts = version_spans(trajs, 7)
         assert list(zip(firsts, lasts)) == [t.version_range(7) for t in trajs]
-    assert version_spans([Trajectory(versions=np.array([-1, -1], np.int32)), Trajectory()], 3) == ([3, 3], [3, 3])
+    assert version_spans([Sample(versions=np.array([-1, -1], np.int32)), Sample()], 3) == ([3, 3], [3, 3])
+
+
+class CountingReward(RewardScorer):
+    """A reward that declares only ``score``: the driver relies on the interface's defaults for the rest."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def score(self, responses, answers, metas=None):  # type: ignore[no-untyped-def]
+        from relax_hpc.rewards.runner import RewardResult
+
+        self.calls += 1
+        n = len(responses)
+        return RewardResult(np.arange(n, dtype=np.float32), {"length": np.asarray([len(r) for r in responses],
+                                                                                   np.float32)},
+                            np.zeros(n, bool), [None] * n, np.zeros(n, bool))
+
+
+class SelfScoringEpisode(Episode):
+    """Sets each sample's reward itself and reports a metric: the driver's reward is not asked."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def score(self, prompts, groups):  # type: ignore[no-untyped-def]
+        from relax_hpc.rewards.runner import RewardResult
+
+        flat = [s for g in groups for s in g]
+        for s in flat:
+            s.reward = 0.25
+        n = len(flat)
+        return RewardResult(np.full(n, 0.25, np.float32), {}, np.zeros(n, bool), [None] * n, np.zeros(n, bool))
+
+    def take_metrics(self) -> dict[str, float]:
+        self.batches += 1
+        return {"episode/batches": float(self.batches)}
+
+
+def test_the_record_generated_is_the_record_stored_and_read(setup: SimpleNamespace) -> None:
+    """The driver writes the samples it generated (the same objects: reward, parts, versions and group set in
+    place), and the store reads them back as the same class; a reward declaring only ``score`` works through the
+    interface's defaults (no ``metrics``, no ``score_async``)."""
+    reward = CountingReward()
+    d = RolloutDriver(setup.engine, DigitsTokenizer(), reward, sampling=SamplingParams(n=2, max_new_tokens=4),
+                      writer_id="rollout-0.test", writer=d_writer(setup.rd))
+    res = d.run_batch(setup.prompts[:2])
+    assert reward.calls == 1 and res.counts["rollout/groups_dropped_reward_error"] == 0
+    assert [s for g in res.groups for s in g.samples] == [s for g in res.generated for s in g]  # the same objects
+    for i, g in enumerate(res.groups):
+        for j, s in enumerate(g.samples):
+            assert type(s) is Sample and s.group_id == g.group_id and s.reward == 2 * i + j
+            assert s.rewards == {"length": 4.0} and s.engine_calls == 1 and s.versions.tolist() == [0] * 4
+    back = stored(setup.rd)
+    assert {type(s) for s in back} == {Sample}
+    assert [s.reward for s in back] == [0.0, 1.0, 2.0, 3.0] and all(s.rewards == {"length": 4.0} for s in back)
+    assert [s.response_ids.tolist() for s in back] == [s.response_ids.tolist() for g in res.generated for s in g]
+
+
+def test_an_episode_that_scores_itself_needs_no_reward(setup: SimpleNamespace) -> None:
+    episode = SelfScoringEpisode()
+    d = RolloutDriver(setup.engine, DigitsTokenizer(), None, sampling=SamplingParams(n=2, max_new_tokens=3),
+                      writer_id="rollout-0.test", writer=d_writer(setup.rd), episode=episode)
+    res = d.run_batch(setup.prompts[:2])
+    assert res.counts["episode/batches"] == 1.0 and res.reward_errors == 0
+    assert [s.reward for s in stored(setup.rd)] == [0.25] * 4
+    plain = RolloutDriver(setup.engine, DigitsTokenizer(), None, sampling=SamplingParams(n=1, max_new_tokens=3),
+                          writer_id="rollout-0.plain")
+    with pytest.raises(ValueError, match="no reward"):
+        plain.run_batch(setup.prompts[:1])
+
+
+def d_writer(rd: RunDir):  # type: ignore[no-untyped-def]
+    from relax_hpc.store import ShardWriter
+
+    return ShardWriter(rd, "rollout-0.test")
+
+
+def test_the_driver_probes_no_capability() -> None:
+    """What the driver needs of an episode and of a reward is declared on their interfaces: no ``getattr`` or
+    ``hasattr`` in rollout/driver.py."""
+    import ast
+
+    import relax_hpc.rollout.driver as mod
+
+    tree = ast.parse(Path(mod.__file__).read_text())
+    probes = [n.lineno for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr")]
+    assert probes == []
+
+
+def test_seed_derivation_is_the_same_in_every_process() -> None:
+    """An episode's environment seed comes from its request id the same way in every process (Python's ``hash``
+    of a string is salted per process: seeds derived from it made multi-turn runs irreproducible)."""
+    import os
+    import subprocess
+    import sys
+
+    from relax_hpc.rollout.driver import derive_seed
+
+    code = ("from relax_hpc.rollout.driver import EpisodeContext, SamplingParams;"
+            "c = EpisodeContext(None, SamplingParams(n=4), 'rollout-0.a:17');"
+            "print([c.seed(j) for j in range(4)])")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                           env={**os.environ, "PYTHONHASHSEED": h}).stdout for h in ("1", "2")}
+    base = derive_seed(None, "rollout-0.a:17", 0)
+    assert outs == {f"{[base + j for j in range(4)]}\n"}
+    assert derive_seed(5, "rollout-0.a:17", 2) == 7  # a seed in the sampling settings fixes it

@@ -325,9 +325,8 @@ def test_samples_to_items(rd: RunDir) -> None:
     loose = Sample(prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.5], reward=1, version=2, group_id="b")
     items = samples_to_items([*read, loose])
     for s, item in zip(read, items, strict=False):
-        assert item.prompt_ids is s.prompt_ids and item.response_ids is s.response_ids  # no copies
-        assert item.rollout_logprobs is s.logprobs and item.loss_mask is s.loss_mask
-        assert (item.reward, item.version, item.group_id, item.multimodal) == (s.reward, 3, "a", {})
-    last = items[-1]
-    assert last.prompt_ids.tolist() == [1, 2] and last.loss_mask.tolist() == [1] and last.loss_mask.dtype == np.uint8
-    assert (last.reward, last.version, last.group_id) == (1.0, 2, "b") and isinstance(last.reward, float)
+        assert item.sample is s and item.advantage == 0.0 and item.weight == 1.0  # the record itself, no copy
+        assert (s.version, s.group_id, s.tensors) == (3, "a", {})
+    last = items[-1].sample
+    assert last is loose and last.mask().tolist() == [1] and last.mask().dtype == np.uint8
+    assert (last.reward, last.version, last.group_id) == (1, 2, "b")

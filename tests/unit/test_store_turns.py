@@ -76,9 +76,9 @@ def test_turns_round_trip_bit_for_bit(tmp_path: Path, tensors: bool) -> None:
             w for w in want if w.prompt_ids.tobytes() == s.prompt_ids.tobytes())))), strict=True):
         same(a, b)
     items = samples_to_items(read)  # carried to the trainer's items
-    by_prompt = {it.prompt_ids.tobytes(): it for it in items}
+    by_prompt = {it.sample.prompt_ids.tobytes(): it for it in items}
     for s in want:
-        t = by_prompt[s.prompt_ids.tobytes()].turns
+        t = by_prompt[s.prompt_ids.tobytes()].sample.turns
         assert (t is None) if s.turns is None else t.tobytes() == s.turns.tobytes()
 
 
@@ -101,7 +101,7 @@ def test_shards_written_before_the_column_still_read(tmp_path: Path) -> None:
     res = read_groups(None, small.header, OLD_SHARD, 0, 2, columns=small.columns)
     for a, b in zip(samples, res.samples, strict=True):
         same(a, b)
-    assert [it.turns for it in samples_to_items(samples)] == [None] * 6
+    assert [it.sample.turns for it in samples_to_items(samples)] == [None] * 6
 
 
 def test_damaged_turns_column_is_detected(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def make_items(n: int = 12, seed: int = 0) -> list[TrainItem]:
         mask = np.ones(len(r))
         if len(r) > 2:
             mask[1] = 0  # a tool token
-        items.append(TrainItem(prompt_ids=p, response_ids=r, rollout_logprobs=-np.abs(rng.normal(2.5, 0.3, len(r))),
+        items.append(TrainItem.of(prompt_ids=p, response_ids=r, logprobs=-np.abs(rng.normal(2.5, 0.3, len(r))),
                                loss_mask=mask, advantage=float(rng.normal()), reward=float(rng.random()),
                                group_id=f"g{i // 4}"))
     return items
@@ -88,10 +88,10 @@ def test_packed_logprobs_equal_unpacked() -> None:
     for mb in one_row + rows:
         logp, _ = tr.sequence_logprobs(model, mb)
         for s, it in enumerate(mb.items):
-            ids = torch.tensor(np.concatenate([it.prompt_ids, it.response_ids]))[None]
+            ids = torch.tensor(np.concatenate([it.sample.prompt_ids, it.sample.response_ids]))[None]
             ref = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float(), -1)
-            p = len(it.prompt_ids)
-            want = ref[p - 1:-1].gather(-1, torch.tensor(it.response_ids)[:, None])[:, 0]
+            p = len(it.sample.prompt_ids)
+            want = ref[p - 1:-1].gather(-1, torch.tensor(it.sample.response_ids)[:, None])[:, 0]
             torch.testing.assert_close(logp[mb.seq_ids == s], want, atol=1e-5, rtol=1e-5)
 
 
@@ -102,22 +102,22 @@ def test_packed_fields_follow_their_sequence() -> None:
     for k, it in enumerate(items):
         it.weight = 0.5 + k
         if k % 7 == 0:  # distillation-style per-token advantages on some items
-            it.token_advantages = np.arange(len(it.response_ids), dtype=np.float32) + 100 * k
+            it.token_advantages = np.arange(len(it.sample.response_ids), dtype=np.float32) + 100 * k
     for rows in (True, False):
         for mb in pack(items, 120, rows=rows):
             ids, pos = mb.input_ids.reshape(-1), mb.position_ids.reshape(-1)
             for s, it in enumerate(mb.items):
                 sel = mb.seq_ids == s
-                np.testing.assert_array_equal(mb.targets[sel].numpy(), it.response_ids)
-                np.testing.assert_allclose(mb.rollout_logprobs[sel].numpy(), it.rollout_logprobs.astype(np.float32))
-                np.testing.assert_array_equal(mb.loss_mask[sel].numpy(), it.loss_mask.astype(np.float32))
-                want = it.token_advantages if it.token_advantages is not None else np.full(len(it.response_ids),
+                np.testing.assert_array_equal(mb.targets[sel].numpy(), it.sample.response_ids)
+                np.testing.assert_allclose(mb.rollout_logprobs[sel].numpy(), it.sample.logprobs.astype(np.float32))
+                np.testing.assert_array_equal(mb.loss_mask[sel].numpy(), it.sample.loss_mask.astype(np.float32))
+                want = it.token_advantages if it.token_advantages is not None else np.full(len(it.sample.response_ids),
                                                                                             it.advantage)
                 np.testing.assert_allclose(mb.advantages[sel].numpy(), np.asarray(want, dtype=np.float32))
                 assert bool((mb.weights[sel] == np.float32(it.weight)).all())
                 # the logits that predict the response sit just before each response token, in its own sequence
-                first = int(mb.logit_index[sel][0]) - (len(it.prompt_ids) - 1)
-                seq = np.concatenate([it.prompt_ids, it.response_ids])
+                first = int(mb.logit_index[sel][0]) - (len(it.sample.prompt_ids) - 1)
+                seq = np.concatenate([it.sample.prompt_ids, it.sample.response_ids])
                 np.testing.assert_array_equal(ids[first:first + len(seq)].numpy(), seq)
                 np.testing.assert_array_equal(pos[first:first + len(seq)].numpy(), np.arange(len(seq)))
             assert int((ids != 0).sum()) <= mb.real_tokens <= ids.numel()

@@ -81,7 +81,8 @@ def test_stale_flagged_samples_become_stale_items(tmp_path: Path) -> None:
     consumer = ConsumerGroup(rd)
     plan = consumer.plan(1, num_groups=2, min_version=2, stale_policy="flag", timeout_s=5)
     items = samples_to_items(consumer.read(plan))
-    assert [(it.group_id, it.version, it.stale) for it in items] == [("old", 1, True)] * 4 + [("new", 3, False)] * 4
+    got = [(it.sample.group_id, it.sample.version, it.sample.stale) for it in items]
+    assert got == [("old", 1, True)] * 4 + [("new", 3, False)] * 4
 
 
 def test_prepare_items_is_step_advantages() -> None:
@@ -92,18 +93,18 @@ def test_prepare_items_is_step_advantages() -> None:
                                        "overlong": {"enabled": True, "buffer_tokens": 4, "penalty": 1.0}}})
     lengths_in = [3, 3, 3, 3, 2, 8, 10, 12, 5, 9, 1, 4]  # past 6 tokens the overlong penalty starts
     rewards = [0.3, 0.3, 0.3, 0.3, 0.1, 0.7, 0.2, 0.9, 1.0, 1.0, 0.0, 0.55]
-    items = [TrainItem(prompt_ids=np.arange(2), response_ids=np.arange(lengths_in[i]),
-                       rollout_logprobs=np.zeros(1), loss_mask=np.ones(1), reward=r, group_id=f"g{i // 4}")
+    items = [TrainItem.of(prompt_ids=np.arange(2), response_ids=np.arange(lengths_in[i]),
+                       logprobs=np.zeros(1), loss_mask=np.ones(1), reward=r, group_id=f"g{i // 4}")
              for i, r in enumerate(rewards)]
-    lengths = np.array([len(it.response_ids) for it in items])
+    lengths = np.array([len(it.sample.response_ids) for it in items])
     algo = get_algorithm("grpo")
-    adv, keep = step_advantages(algo, np.array(rewards), np.array([it.group_id for it in items]), lengths,
+    adv, keep = step_advantages(algo, np.array(rewards), np.array([it.sample.group_id for it in items]), lengths,
                                 cfg=cfg.algorithm, max_new_tokens=10)
     prep = prepare_items(items, cfg, algo)
-    assert [it.group_id for it in prep.items] == [it.group_id for it, k in zip(items, keep) if k]
+    assert [it.sample.group_id for it in prep.items] == [it.sample.group_id for it, k in zip(items, keep) if k]
     assert [it.advantage for it in prep.items] == [float(a) for a, k in zip(adv, keep) if k]
     assert keep.sum() == 8 and prep.metrics["rollout/dynamic_sampling_dropped"] == 4.0
-    assert [it.reward for it in prep.items] == [r for r, k in zip(rewards, keep) if k]  # the task reward
+    assert [it.sample.reward for it in prep.items] == [r for r, k in zip(rewards, keep) if k]  # the task reward
 
 
 def _imports(path: Path) -> Iterator[str]:

@@ -167,20 +167,20 @@ def test_tiny_qwen3_vl_video_prompts_and_packed_positions(tmp_path):
     model = build_tiny_multimodal_model(TinyModelConfig(arch="qwen3_vl"), tok, seed=0).eval()
     rope = MRope.of(model)
     assert rope is not None and rope.family == "vl"
-    items = [TrainItem(prompt_ids=np.asarray(p.prompt_ids), response_ids=np.arange(30, 35),
-                       rollout_logprobs=np.zeros(5, np.float32), loss_mask=np.ones(5), multimodal=p.multimodal or {})
+    items = [TrainItem.of(prompt_ids=np.asarray(p.prompt_ids), response_ids=np.arange(30, 35),
+                       logprobs=np.zeros(5, np.float32), loss_mask=np.ones(5), tensors=p.multimodal or {})
              for p in ps]
     with torch.no_grad():
         ref = []
         for it in items:
-            ids = torch.from_numpy(np.concatenate([it.prompt_ids, it.response_ids])).long()[None]
-            kw = rope.model_kwargs([{k: torch.from_numpy(v) for k, v in it.multimodal.items()}]) if it.multimodal \
-                else {}
+            ids = torch.from_numpy(np.concatenate([it.sample.prompt_ids, it.sample.response_ids])).long()[None]
+            mm = it.sample.tensors
+            kw = rope.model_kwargs([{k: torch.from_numpy(v) for k, v in mm.items()}]) if mm else {}
             types = torch.zeros_like(ids, dtype=torch.int32)
             types[ids == vid] = 2
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
                         use_cache=False, **kw).logits[0]
-            p = len(it.prompt_ids)
+            p = len(it.sample.prompt_ids)
             ref.append(out[p - 1:p - 1 + 5])
         for rows_ in (False, True):
             mb = pack(items, 10**6, rows=rows_, pack_multimodal=True)[0]

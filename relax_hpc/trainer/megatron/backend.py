@@ -515,8 +515,8 @@ class MegatronBackend(TorchBackend):
             for _ in range(steps):
                 batch = prompts.next_batch(batch_size)
                 answers = [np.asarray(answer_ids(tokenizer, p.answer)) for p in batch]
-                items = [TrainItem(prompt_ids=np.asarray(p.prompt_ids), response_ids=a,
-                                   rollout_logprobs=np.zeros(len(a), np.float32), loss_mask=np.ones(len(a), np.float32))
+                items = [TrainItem.of(prompt_ids=np.asarray(p.prompt_ids), response_ids=a,
+                                   logprobs=np.zeros(len(a), np.float32), loss_mask=np.ones(len(a), np.float32))
                          for p, a in zip(batch, answers, strict=True)]
                 n_tok = self._all_reduce({"tok": float(sum(len(a) for a in answers))})["tok"]
                 total = self._sft_backward(pack(items, max_tokens, device=self.device, rows=False))
