@@ -103,7 +103,7 @@ def run_loop(rec: dict[str, Any], root: Path) -> tuple[list[dict[str, float]], f
     import torch
     import yaml
 
-    from relax_hpc.bench.pipeline import read_records
+    from relax_hpc.bench.common import read_records
     from relax_hpc.cli.submit import prepare_run_dir
     from relax_hpc.modes.colocate import run_colocate
 

@@ -77,7 +77,7 @@ def build_tiny_bpe_tokenizer(*, vocab_size: int = 400, corpus: list[str] | None 
     return fast
 
 
-def _token_id(tokenizer: Any, token: str) -> int:
+def token_id_of(tokenizer: Any, token: str) -> int:
     tid = tokenizer.convert_tokens_to_ids(token)
     if tid is None or tid == tokenizer.unk_token_id:
         raise ConfigError(f"the tokenizer has no {token} token (needed for multimodal prompts)")
@@ -180,7 +180,7 @@ class MultimodalPreprocessor:
         for kind, have, tok in (("image", image_processor, image_token), ("audio", feature_extractor, audio_token),
                                 ("video", video, video_token)):
             if have is not None:
-                self.token_ids[kind] = _token_id(tokenizer, tok)
+                self.token_ids[kind] = token_id_of(tokenizer, tok)
         self.image_token_id = self.token_ids.get("image")
         self.audio_token_id = self.token_ids.get("audio")
         self.video_token_id = self.token_ids.get("video")
@@ -482,7 +482,7 @@ def omni_preprocessor(cfg: ModelConfig, tokenizer: Any, model_type: str) -> Mult
     eos = getattr(conf, "audio_end_token_id", None)  # Qwen3-Omni's config names only the start: its pair's end
     if eos is None:
         name = str(tokenizer.convert_ids_to_tokens(bos))
-        eos = _token_id(tokenizer, name.replace("_start|>", "_end|>").replace("_bos|>", "_eos|>"))
+        eos = token_id_of(tokenizer, name.replace("_start|>", "_end|>").replace("_bos|>", "_eos|>"))
     layout = AudioInVideo("merged" if qwen3 else "chunked", bos, eos, float(conf.position_id_per_seconds),
                           float(getattr(conf, "seconds_per_chunk", 2.0) or 2.0))
     return MultimodalPreprocessor(tokenizer, image_processor=ip, video=video,
@@ -516,7 +516,7 @@ def build_tiny_qwen3_vl_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    text = _text_config(cfg, tokenizer)
+    text = tiny_text_config(cfg, tokenizer)
     half = cfg.hidden_size // cfg.num_heads // 2
     t = max(1, half // 4)
     text.update(head_dim=cfg.hidden_size // cfg.num_heads,
@@ -525,7 +525,7 @@ def build_tiny_qwen3_vl_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int
     vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size":
               cfg.hidden_size, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
               "num_position_embeddings": 64, "deepstack_visual_indexes": [1]}
-    ids = {k: _token_id(tokenizer, tok) for k, tok in (("image_token_id", "<|image_pad|>"),
+    ids = {k: token_id_of(tokenizer, tok) for k, tok in (("image_token_id", "<|image_pad|>"),
                                                         ("video_token_id", "<|video_pad|>"),
                                                         ("vision_start_token_id", "<|vision_start|>"),
                                                         ("vision_end_token_id", "<|vision_end|>"))}
@@ -535,7 +535,7 @@ def build_tiny_qwen3_vl_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int
         return Qwen3VLForConditionalGeneration(config)
 
 
-def _text_config(cfg: TinyModelConfig, tokenizer: Any) -> dict[str, Any]:
+def tiny_text_config(cfg: TinyModelConfig, tokenizer: Any) -> dict[str, Any]:
     if cfg.hidden_size % cfg.num_heads:
         raise ConfigError(f"model.tiny.hidden_size={cfg.hidden_size} is not divisible by num_heads={cfg.num_heads}")
     return {"vocab_size": len(tokenizer), "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -552,14 +552,14 @@ def build_tiny_vl_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int = 0) 
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    text = _text_config(cfg, tokenizer)
+    text = tiny_text_config(cfg, tokenizer)
     half = cfg.hidden_size // cfg.num_heads // 2  # rotary frequencies per head, split over (t, h, w)
     t = max(1, half // 4)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6,
                                "mrope_section": [t, (half - t) // 2, half - t - (half - t) // 2]}
     vision = {**TINY_VISION, "out_hidden_size": cfg.hidden_size, "patch_size": TINY_IMAGE["patch_size"],
               "spatial_merge_size": TINY_IMAGE["merge_size"], "temporal_patch_size": TINY_IMAGE["temporal_patch_size"]}
-    ids = {k: _token_id(tokenizer, tok) for k, tok in (("image_token_id", "<|image_pad|>"),
+    ids = {k: token_id_of(tokenizer, tok) for k, tok in (("image_token_id", "<|image_pad|>"),
                                                         ("video_token_id", "<|video_pad|>"),
                                                         ("vision_start_token_id", "<|vision_start|>"),
                                                         ("vision_end_token_id", "<|vision_end|>"))}
@@ -580,12 +580,12 @@ def build_tiny_audio_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int = 
     import torch
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
-    text = {"model_type": "qwen2", **_text_config(cfg, tokenizer)}
+    text = {"model_type": "qwen2", **tiny_text_config(cfg, tokenizer)}
     frames = TINY_AUDIO["chunk_length"] * TINY_AUDIO["sampling_rate"] // TINY_AUDIO["hop_length"]
     audio = {"model_type": "qwen2_audio_encoder", "d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2,
              "encoder_ffn_dim": 64, "num_mel_bins": TINY_AUDIO["feature_size"], "max_source_positions": frames // 2}
     config = Qwen2AudioConfig(audio_config=audio, text_config=text,
-                              audio_token_index=_token_id(tokenizer, "<|AUDIO|>"))
+                              audio_token_index=token_id_of(tokenizer, "<|AUDIO|>"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2AudioForConditionalGeneration(config)

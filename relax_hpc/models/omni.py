@@ -17,10 +17,10 @@ from relax_hpc.models.multimodal import (
     TINY_AUDIO,
     AudioInVideo,
     MultimodalPreprocessor,
-    _text_config,
-    _token_id,
     audio_out_len_qwen2,
     audio_out_len_qwen3_omni,
+    tiny_text_config,
+    token_id_of,
 )
 
 TINY_OMNI_VISION = {"qwen2_5_omni": {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2},
@@ -37,10 +37,11 @@ def _mrope_section(cfg: TinyModelConfig) -> list[int]:
 
 
 def _ids(tokenizer: Any) -> dict[str, int]:
-    return {"image": _token_id(tokenizer, "<|image_pad|>"), "video": _token_id(tokenizer, "<|video_pad|>"),
-            "audio": _token_id(tokenizer, "<|AUDIO|>"), "vision_start": _token_id(tokenizer, "<|vision_start|>"),
-            "vision_end": _token_id(tokenizer, "<|vision_end|>"), "audio_start": _token_id(tokenizer, "<|audio_bos|>"),
-            "audio_end": _token_id(tokenizer, "<|audio_eos|>")}
+    return {"image": token_id_of(tokenizer, "<|image_pad|>"), "video": token_id_of(tokenizer, "<|video_pad|>"),
+            "audio": token_id_of(tokenizer, "<|AUDIO|>"), "vision_start": token_id_of(tokenizer, "<|vision_start|>"),
+            "vision_end": token_id_of(tokenizer, "<|vision_end|>"),
+            "audio_start": token_id_of(tokenizer, "<|audio_bos|>"),
+            "audio_end": token_id_of(tokenizer, "<|audio_eos|>")}
 
 
 def build_tiny_qwen2_5_omni(cfg: TinyModelConfig, tokenizer: Any, *, seed: int = 0) -> Any:
@@ -50,7 +51,7 @@ def build_tiny_qwen2_5_omni(cfg: TinyModelConfig, tokenizer: Any, *, seed: int =
     from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
 
     ids = _ids(tokenizer)
-    text = _text_config(cfg, tokenizer)
+    text = tiny_text_config(cfg, tokenizer)
     text.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(cfg)},
                 head_dim=cfg.hidden_size // cfg.num_heads, audio_token_index=ids["audio"],
                 image_token_index=ids["image"], video_token_index=ids["video"],
@@ -82,7 +83,7 @@ def build_tiny_qwen3_omni(cfg: TinyModelConfig, tokenizer: Any, *, seed: int = 0
     from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
 
     ids = _ids(tokenizer)
-    text = _text_config(cfg, tokenizer)
+    text = tiny_text_config(cfg, tokenizer)
     text.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(cfg),
                                  "mrope_interleaved": True},
                 head_dim=cfg.hidden_size // cfg.num_heads, num_experts=4, num_experts_per_tok=2,

@@ -33,12 +33,13 @@ says which.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from relax_hpc.rollout.decode import _cache_kwarg, _last_logits_kwarg, _new_cache, loop_supported, warp
+from relax_hpc.rollout.decode import cache_kwarg, last_logits_kwarg, loop_supported, new_cache, warp
 
 SPAN = 64
 """Granularity (cache columns) of the attention span a captured step reads."""
@@ -236,10 +237,10 @@ class GraphDecoder:
         first token drawn from the last logits."""
         model = self.model
         width = input_ids.shape[1]
-        cache = _new_cache(model)
+        cache = new_cache(model)
         positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                    **_last_logits_kwarg(model), **{_cache_kwarg(model) or "past_key_values": cache})
+                    **last_logits_kwarg(model), **{cache_kwarg(model) or "past_key_values": cache})
         logits = out.logits[:, -1, :].float()
         rows = input_ids.shape[0] * n
         for i, (k, v) in enumerate(_cache_layers(cache)):
@@ -353,10 +354,14 @@ def graph_decoder(owner: Any) -> GraphDecoder | None:
     """The :class:`GraphDecoder` kept on ``owner`` (an engine; its graphs and state live as long as the engine) for
     ``owner.model``, or None where it does not apply (not on CUDA, or a model :func:`supported` refuses)."""
     model = owner.model
-    held = getattr(owner, "_graph_decoder", None)  # (model, decoder or None)
+    held = _DECODERS.get(owner)  # (model, decoder or None)
     if held is None or held[0] is not model:
         p = next(model.parameters(), None)
         ok = p is not None and p.is_cuda and supported(model)
         held = (model, GraphDecoder(model, compiled=getattr(owner, "compile_decode", False)) if ok else None)
-        owner._graph_decoder = held
+        _DECODERS[owner] = held
     return held[1]
+
+
+_DECODERS: weakref.WeakKeyDictionary[Any, tuple[Any, GraphDecoder | None]] = weakref.WeakKeyDictionary()
+"""owner -> (its model, the decoder kept for it): gone with the owner."""
