@@ -101,3 +101,17 @@ def test_cli_refuses_an_unknown_transport_in_one_line(tmp_path: Path) -> None:
     proc = cli("validate", str(DEMO), "--set", "weights.transport.kind=carrier_pigeon", timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error:") and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_cli_refuses_a_transport_the_mode_cannot_use_and_warns_of_old_keys() -> None:
+    from runutil import DEMO, cli
+
+    proc = cli("validate", str(DEMO), "--no-preflight", "--set", "weights.transport.kind=process_group", timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: weights.transport.kind=process_group: not a transport of mode colocate "
+                                   "(use auto or memory)"), proc.stderr
+    proc = cli("validate", str(DEMO), "--no-preflight", "--set", "mode=fully_async", "--set",
+               "weights.fast_path=off", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == ("warning: weights.fast_path: deprecated, use weights.transport (this recipe: "
+                                   "weights.transport.kind=files); see docs/protocol.md, Weight transport"), proc.stderr

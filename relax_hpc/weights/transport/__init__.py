@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from relax_hpc.rundir import RunDir
     from relax_hpc.trainer.session import TrainerSession
 
-__all__ = ["WeightReceiver", "WeightSender", "make_receiver", "make_sender", "resolve"]
+__all__ = ["WeightReceiver", "WeightSender", "deprecation", "make_receiver", "make_sender", "resolve"]
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +72,26 @@ def _translate(cfg: RecipeConfig) -> Transport:
                                  files_every_s=w.files_every_s)
 
 
-def resolve(cfg: RecipeConfig) -> Transport:
+def deprecation(cfg: RecipeConfig) -> str | None:
+    """The warning for the deprecated keys ``cfg`` sets beside ``kind: auto`` (None when it sets none)."""
+    old = _old_keys(cfg)
+    if not old or cfg.weights.transport.kind != "auto":
+        return None
+    return (f"{', '.join(old)}: deprecated, use weights.transport (this recipe: weights.transport.kind="
+            f"{_translate(cfg).kind}); see docs/protocol.md, Weight transport")
+
+
+def resolve(cfg: RecipeConfig, *, warn: bool = True) -> Transport:
     """The transport ``cfg`` selects: ``weights.transport`` as set, or for ``auto`` the mode's and engine's (the
-    deprecated keys translated, with a warning). Raises :class:`ConfigError` (one line) for a transport the mode or
-    engine cannot use, and for a deprecated key beside an explicit transport."""
+    deprecated keys translated, with a ``FutureWarning`` unless not ``warn``). Raises :class:`ConfigError` (one
+    line) for a transport the mode or engine cannot use, and for a deprecated key beside an explicit transport."""
     t, old = cfg.weights.transport, _old_keys(cfg)
     if t.kind == "auto":
-        out = _translate(cfg)
-        if old:
-            msg = (f"{', '.join(old)}: deprecated, use weights.transport (this recipe: weights.transport.kind="
-                   f"{out.kind}); see docs/protocol.md, Weight transport")
+        msg = deprecation(cfg)
+        if msg is not None and warn:
             warnings.warn(msg, FutureWarning, stacklevel=2)
             log.warning(msg)
-        return out
+        return _translate(cfg)
     if old:
         raise ConfigError(f"{', '.join(old)}: deprecated and not allowed beside weights.transport.kind={t.kind}; "
                           "drop them")
