@@ -52,8 +52,6 @@ def test_auto_and_explicit_transports(sections: dict[str, Any], want: dict[str, 
      {"kind": "process_group", "backend": "gloo", "files_every_s": 0.0}),
     ({"rollout": {"engine": "sglang", "server": {"weight_sync": "distributed"}}}, "rollout.server.weight_sync",
      {"kind": "server"}),
-    ({"rollout": {"engine": "vllm", "server": {"weight_sync": "files"}}}, "rollout.server.weight_sync",
-     {"kind": "files"}),
 ])
 def test_deprecated_keys_are_translated_with_a_warning(sections: dict[str, Any], old: str,
                                                        want: dict[str, Any]) -> None:
@@ -62,6 +60,18 @@ def test_deprecated_keys_are_translated_with_a_warning(sections: dict[str, Any],
         t = resolve(c)
     assert t.model_dump() == want
     assert str(got[0].message).startswith(f"{old}: deprecated") and f"kind={want['kind']}" in str(got[0].message)
+
+
+def test_old_keys_at_their_defaults_change_nothing() -> None:
+    """A run dir's config.json holds every key: at their defaults the old keys are no warning and no conflict."""
+    from relax_hpc.config.load import config_to_json
+
+    for sections in ({"mode": "fully_async", "weights": {"transport": {"kind": "files"}}},
+                     {"mode": "fully_async", "rollout": {"engine": "vllm", "server": {"weight_sync": "files"}}},
+                     {"weights": {"fast_path": "auto", "files_every_s": 10}}):
+        c = cfg(**sections)
+        again = validate_dict(config_to_json(c))
+        assert quiet(again) == quiet(c)
 
 
 def test_deprecated_keys_do_not_change_colocate() -> None:

@@ -31,7 +31,9 @@ from relax_hpc.config.schema import (
     MemoryTransport,
     ProcessGroupTransport,
     RecipeConfig,
+    ServerConfig,
     ServerTransport,
+    WeightSyncConfig,
 )
 from relax_hpc.errors import ConfigError
 from relax_hpc.weights.transport.base import WeightReceiver, WeightSender
@@ -49,13 +51,19 @@ log = logging.getLogger(__name__)
 Transport = FilesTransport | ProcessGroupTransport | ServerTransport | MemoryTransport
 SERVER_ENGINES = ("sglang", "vllm")
 KINDS_BY_MODE = {"colocate": ("memory",), "fully_async": ("files", "process_group", "server")}
-DEPRECATED = (("weights", "fast_path"), ("weights", "files_every_s"), ("rollout.server", "weight_sync"))
+DEPRECATED = (("weights", "fast_path", WeightSyncConfig), ("weights", "files_every_s", WeightSyncConfig),
+              ("rollout.server", "weight_sync", ServerConfig))
+"""The keys ``weights.transport`` replaces: (section, key, its schema class)."""
 
 
 def _old_keys(cfg: RecipeConfig) -> list[str]:
-    """The deprecated keys the recipe sets (``--set`` included)."""
-    sections = {"weights": cfg.weights, "rollout.server": cfg.rollout.server}
-    return [f"{s}.{k}" for s, k in DEPRECATED if k in sections[s].model_fields_set]
+    """The deprecated keys the recipe sets to something other than their default (``--set`` included; a run dir's
+    ``config.json`` holds every key, so a key at its default counts as not set: it changes nothing)."""
+    w, srv = cfg.weights, cfg.rollout.server
+    given = {"weights.fast_path": w.fast_path, "weights.files_every_s": w.files_every_s,
+             "rollout.server.weight_sync": srv.weight_sync}
+    defaults = {f"{s}.{k}": m.model_fields[k].default for s, k, m in DEPRECATED}
+    return [key for key, value in given.items() if value != defaults[key]]
 
 
 def _translate(cfg: RecipeConfig) -> Transport:
