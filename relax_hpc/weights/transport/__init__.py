@@ -59,9 +59,10 @@ DEPRECATED = (("weights", "fast_path", WeightSyncConfig), ("weights", "files_eve
 def _old_keys(cfg: RecipeConfig) -> list[str]:
     """The deprecated keys the recipe sets to something other than their default (``--set`` included; a run dir's
     ``config.json`` holds every key, so a key at its default counts as not set: it changes nothing)."""
-    w, srv = cfg.weights, cfg.rollout.server
-    given = {"weights.fast_path": w.fast_path, "weights.files_every_s": w.files_every_s,
-             "rollout.server.weight_sync": srv.weight_sync}
+    w = cfg.weights
+    given: dict[str, object] = {"weights.fast_path": w.fast_path, "weights.files_every_s": w.files_every_s}
+    if cfg.rollout.engine in SERVER_ENGINES:  # only a server engine has a rollout.server section to speak of
+        given["rollout.server.weight_sync"] = cfg.rollout.server.weight_sync
     defaults = {f"{s}.{k}": m.model_fields[k].default for s, k, m in DEPRECATED}
     return [key for key, value in given.items() if value != defaults[key]]
 
