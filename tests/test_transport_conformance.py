@@ -3,16 +3,17 @@ rollout side receives it and its engine holds exactly the trainer's tensors; whe
 the version comes from the snapshot files and the event log says so (event ``weight_fallback``).
 
 Real parts throughout: the torch backend on the tiny model, the real publisher and snapshot files, a real ``hf``
-engine holding its own model, and for the process-group transport a real gloo link between the trainer (its own
-process, killed to break the link) and the worker's receiver in this process. The ``server`` transport's link needs
-a server process; it is exercised end to end by ``test_server_fastpath_run.py`` (and its fallback by
-``test_engine_sglang.py``).
+engine holding its own model, real gloo links between the trainer (its own process, killed to break the link) and
+the worker's receiver in this process; for the ``server`` transport the SGLang stand-in (``tests/sglang_standin.py``:
+a real HTTP server process with a HF model behind SGLang's endpoints, SGLang cannot run here), whose weights are
+checked by its greedy output against HF with the trainer's tensors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -240,3 +241,69 @@ def test_memory_transport_and_its_fallback(tmp_path: Path, monkeypatch: pytest.M
     lines = rd.event_log("colocate-0").read_text().splitlines()
     evs = [e for e in map(json.loads, lines) if e.get("event") == "weight_fallback"]
     assert len(evs) == 1 and evs[0]["step"] == 2 and "hand-over refused" in evs[0]["message"]
+
+
+STANDIN = Path(__file__).with_name("sglang_standin.py")
+PROMPT = [1, 5, 6, 7, 17]
+
+
+def test_server_transport_and_its_fallback(tmp_path: Path) -> None:
+    from server_util import TINY, LoopThread, hf_greedy, hf_model
+
+    from relax_hpc.config.load import validate_dict
+    from relax_hpc.events import EventLog
+    from relax_hpc.models.tiny import build_digits_tokenizer
+    from relax_hpc.modes.components import build_engine
+    from relax_hpc.rollout.engine import GenerateRequest, SamplingParams
+    from relax_hpc.weights import SnapshotPublisher
+    from relax_hpc.weights.transport import make_receiver
+
+    rd = RunDir.create(tmp_path / "run")
+    cfg = {"name": "srv", "mode": "fully_async", "model": {"path": "tiny", "tiny": TINY, "dtype": "float32"},
+           "data": {"task": {"name": "reverse_digits", "min_len": 2, "max_len": 4, "num_prompts": 64},
+                    "max_prompt_tokens": 16},
+           "rollout": {"engine": "sglang", "device": "cpu", "server": {
+               "command": f"{sys.executable} {STANDIN}", "startup_timeout_s": 300, "stop_grace_s": 5,
+               "sync_timeout_s": 20, "restart_backoff_s": 0.2, "env": {"PYTHONPATH": os.getcwd()}}},
+           "weights": {"transport": {"kind": "server"}}}
+    out = tmp_path / "trainer"
+    out.mkdir()
+    trainer = Trainer(rd, cfg, out)
+    c, tok = validate_dict(cfg), build_digits_tokenizer()
+    events = EventLog(rd, "rollout", 0)
+    engine = build_engine(c, tok, seed=0, run_dir=rd, proc="rollout-0", events=events)
+    receiver = make_receiver(c, engine, run_dir=rd, rank=0, proc="rollout-0", events=events)
+    loop = LoopThread()
+
+    def greedy_is(want: dict[str, torch.Tensor], version: int) -> None:
+        req = GenerateRequest(request_id=f"g{version}", prompt_ids=PROMPT,
+                              sampling=SamplingParams(temperature=0.0, max_new_tokens=20))
+        got = loop.run(engine.generate(req), timeout=120).samples[0]
+        ref = hf_greedy(hf_model(want, folder=engine.setup.model_dir), PROMPT, 20, tok.eos_token_id)
+        assert got.token_ids.tolist() == ref and (got.versions == version).all()
+
+    try:
+        assert trainer.kind == "server" and receiver.kind == "server" and receiver.fast
+        assert loop.run(receiver.update(files_first=True), timeout=300) == (0, "file")
+        greedy_is(trainer.weights(0), 0)
+        trainer.send(1)  # broadcast into the server over the link (its files are written too)
+        assert loop.run(receiver.update(files_first=False), timeout=120) == (1, "fast")
+        greedy_is(trainer.weights(1), 1)
+        assert not fallbacks(rd)
+        # the trainer dies (its link with it); its successor publishes v2 as files only: the server loads them
+        trainer.kill()
+        want2 = {k: v + 0.01 for k, v in trainer.weights(1).items()}
+        model_config = json.loads((engine.setup.model_dir / "config.json").read_text())
+        SnapshotPublisher(rd).publish(want2, version=2, step=2, model_config=model_config)
+        assert loop.run(receiver.update(files_first=False), timeout=120) == (2, "file")
+        greedy_is(want2, 2)
+    finally:
+        trainer.kill()
+        receiver.close()
+        loop.run(engine.close(), timeout=60)
+        loop.close()
+        events.close()
+    (ev,) = fallbacks(rd)
+    assert ev["level"] == "warning" and "weights.transport=server" in ev["message"]
+    log = (rd.root / "logs" / "server-rollout-0-0.log").read_text()
+    assert log.count('"POST /update_weights_from_distributed HTTP/1.1" 200') >= 1
