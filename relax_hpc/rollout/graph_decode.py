@@ -225,7 +225,7 @@ class GraphDecoder:
             self._steps(b, span, n, s)
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        # thread_local: the snapshot thread may wait on a CUDA event meanwhile (weights/handover.py)
+        # thread_local: the snapshot thread may wait on a CUDA event meanwhile (weights/transport/memory.py)
         with torch.cuda.graph(g, pool=self._pool, stream=stream, capture_error_mode="thread_local"):  # recorded
             self._steps(b, span, n, s)
         self.graphs[key] = g
