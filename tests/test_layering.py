@@ -271,9 +271,6 @@ KNOWN_CIRCLES: list[list[str]] = [
     ["relax_hpc.rollout.engine", "relax_hpc.rollout.hf_engine", "relax_hpc.rollout.server",
      "relax_hpc.rollout.server.base", "relax_hpc.rollout.server.partial", "relax_hpc.rollout.server.sglang",
      "relax_hpc.rollout.server.vllm"],
-    # the tiny multimodal dispatchers in models/multimodal.py name the omni builders, which reuse multimodal's
-    # helpers: the dispatch needs a module of its own (every multimodal test imports it from multimodal.py today)
-    ["relax_hpc.models.multimodal", "relax_hpc.models.omni"],
     # pipeline.py and dist_checkpoint.py annotate with MegatronBackend (TYPE_CHECKING), which imports them lazily
     ["relax_hpc.trainer.megatron.backend", "relax_hpc.trainer.megatron.dist_checkpoint",
      "relax_hpc.trainer.megatron.optim", "relax_hpc.trainer.megatron.pipeline"],
