@@ -152,22 +152,26 @@ ORDER: tuple[tuple[str, ...], ...] = (
 layer are peers and do not import each other). ``weights.transport`` is the seam between the trainer and the
 rollout side (it knows both); the role loops (modes) and everything above use the rules of :data:`RULES`."""
 
-KNOWN_UP: set[tuple[str, str]] = {
-    # config reaches up into its owners' registries and checks: the schema is being split by owner (issue 27,
-    # "config variants as discriminated unions"); each entry goes with that split.
-    ("relax_hpc/config/checks.py", "relax_hpc.trainer.backend"),
-    ("relax_hpc/config/checks.py", "relax_hpc.trainer.megatron.config"),
-    ("relax_hpc/config/preflight.py", "relax_hpc.models.load"),
-    ("relax_hpc/config/preflight.py", "relax_hpc.data"),
-    ("relax_hpc/config/preflight.py", "relax_hpc.data.dataset"),
-    ("relax_hpc/config/preflight.py", "relax_hpc.roles.spec"),
-    ("relax_hpc/config/schema.py", "relax_hpc.envs.parsers"),
-    ("relax_hpc/config/schema.py", "relax_hpc.envs.registry"),
-    ("relax_hpc/config/schema.py", "relax_hpc.algorithms.registry"),
-    ("relax_hpc/config/schema.py", "relax_hpc.rewards.registry"),
-    ("relax_hpc/config/schema.py", "relax_hpc.launch.slurm_params"),
+KNOWN_UP: dict[tuple[str, str], str] = {
+    ("relax_hpc/config", "relax_hpc.algorithms.registry"): "a validator checks the name against the registry",
+    ("relax_hpc/config", "relax_hpc.rewards.registry"): "a validator checks the name against the registry",
+    ("relax_hpc/config", "relax_hpc.envs.registry"): "a validator checks the name against the registry",
+    ("relax_hpc/config", "relax_hpc.envs.parsers"): "a validator checks the parser's name",
+    ("relax_hpc/config", "relax_hpc.launch.slurm_params"): "a validator checks Slurm parameter names",
+    ("relax_hpc/config/preflight.py", "relax_hpc.data"): "preflight opens the data before a run starts",
+    ("relax_hpc/config/preflight.py", "relax_hpc.data.dataset"): "as above",
+    ("relax_hpc/config/preflight.py", "relax_hpc.models.load"): "preflight opens the tokenizer and model config",
+    ("relax_hpc/config/preflight.py", "relax_hpc.roles.spec"): "preflight reads the role table",
+    ("relax_hpc/config", "relax_hpc.trainer.backend"): "checks.py: the backend table; moves out with the "
+                                                       "schema split by owner",
+    ("relax_hpc/config", "relax_hpc.trainer.megatron.config"): "checks.py: the megatron layout check; as above",
 }
-"""(file, imported module) up-arrows allowed for now; each must still exist (see the test below)."""
+"""(file or package folder, imported module) -> why this up-arrow is allowed for now; each must still exist (the
+test below), so the list only shrinks. The registries are imported lazily, when a validator runs."""
+
+
+def known_up(rel: str, target: str) -> bool:
+    return any((rel == src or rel.startswith(src + "/")) and target == t for src, t in KNOWN_UP)
 
 
 def block(module: str) -> str:
@@ -193,7 +197,7 @@ def up_arrows(pkg: Path = PKG) -> list[str]:
             continue
         for target in imports(path, pkg):
             theirs, other = rank_of(block(target)), block(target)
-            if other == own or (rel, target) in KNOWN_UP:
+            if other == own or known_up(rel, target):
                 continue
             higher = theirs is None or theirs > mine
             if higher or (theirs == mine and mine > 0):
@@ -296,8 +300,10 @@ def test_no_arrow_from_a_lower_layer_up() -> None:
 
 
 def test_known_up_arrows_still_exist() -> None:
-    for rel, target in KNOWN_UP:
-        assert target in imports(PKG.parent / rel), f"{rel} no longer imports {target}: drop it from KNOWN_UP"
+    for src, target in KNOWN_UP:
+        path = PKG.parent / src
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        assert any(target in imports(f) for f in files), f"{src} no longer imports {target}: drop it from KNOWN_UP"
 
 
 def test_the_checkers_see_circles_and_up_arrows(tmp_path: Path) -> None:
