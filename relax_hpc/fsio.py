@@ -50,7 +50,7 @@ def check_writable(folder: Path | str, what: str = "folder") -> None:
             pass
         probe.unlink()
     except OSError as exc:
-        raise RunDirError(f"{what} {_describe_oserror(exc, folder)}") from None
+        raise RunDirError(f"{what} {oserror_message(exc, folder)}") from None
 
 
 def fsync_dir(path: Path) -> None:
@@ -67,7 +67,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _describe_oserror(exc: OSError, path: Path) -> str:
+def oserror_message(exc: OSError, path: Path) -> str:
     reason = {errno.ENOSPC: "no space left on device", errno.EROFS: "read-only filesystem",
               errno.EACCES: "permission denied", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno or 0)
     return f"cannot write {path}: {reason or exc.strerror or exc}"
@@ -90,7 +90,7 @@ def atomic_write_bytes(path: Path | str, data: bytes, *, fsync: bool = True) -> 
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise RunDirError(_describe_oserror(exc, path)) from exc
+        raise RunDirError(oserror_message(exc, path)) from exc
     if fsync:
         fsync_dir(path.parent)
     return path
@@ -118,7 +118,7 @@ def create_marker(path: Path | str) -> bool:
     except FileExistsError:
         return False
     except OSError as exc:
-        raise RunDirError(_describe_oserror(exc, Path(path))) from exc
+        raise RunDirError(oserror_message(exc, Path(path))) from exc
     os.close(fd)
     return True
 
@@ -178,14 +178,14 @@ def staged_dir(final: Path | str, *, marker: str = COMPLETE_MARKER, marker_conte
     try:
         tmp.mkdir(parents=True)
     except OSError as exc:
-        raise RunDirError(_describe_oserror(exc, tmp)) from exc
+        raise RunDirError(oserror_message(exc, tmp)) from exc
     try:
         yield tmp
         publish_dir(tmp, final, marker=marker, marker_content=marker_content, durable=durable)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
-            raise RunDirError(_describe_oserror(exc, final)) from exc
+            raise RunDirError(oserror_message(exc, final)) from exc
         raise
 
 

@@ -167,7 +167,7 @@ def running_steps(job_ids: list[str]) -> list[str]:
     """Ids of the running job steps (``123.0``, ``124_1.0``, ``125+1.0``) of these jobs (not the batch step)."""
     if not job_ids:
         return []
-    res = slurm_cli._run(["squeue", "-h", "-s", "-j", ",".join(job_ids), "-o", "%i"])
+    res = slurm_cli.run_slurm(["squeue", "-h", "-s", "-j", ",".join(job_ids), "-o", "%i"])
     if res.returncode != 0:
         raise UserError(f"squeue -s failed: {res.stderr.strip()[:200]}")
     return [s for s in res.stdout.split() if not s.endswith((".batch", ".extern"))]
@@ -196,7 +196,7 @@ def cancel_step(run: ChaosRun, rng: random.Random) -> bool:
     if not steps:
         return False
     step = rng.choice(steps)
-    res = slurm_cli._run(["scancel", step])
+    res = slurm_cli.run_slurm(["scancel", step])
     if res.returncode != 0:
         run.notes.append(f"scancel {step} refused: {res.stderr.strip()[:200]}")
         return False

@@ -14,7 +14,10 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from relax_hpc.rundir import RunDir
 
 DEMO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml"
 
@@ -113,3 +116,15 @@ def print_fields(res: dict[str, Any], width: int = 32) -> None:
     """One ``name value`` line per entry (floats to 4 significant digits)."""
     for k, v in res.items():
         print(f"{k:{width}s} {v:.4g}" if isinstance(v, float) else f"{k:{width}s} {v}")
+
+
+def read_records(run_dir: RunDir, proc: str) -> list[dict[str, Any]]:
+    """Every parseable record of one process's event log (a missing log is empty)."""
+    path = run_dir.event_log(proc)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out

@@ -70,7 +70,7 @@ def measure(recipe: Path, overrides: list[str], *, batches: int, warmup: int, th
                            "device": policy.device, "threads": threads, "batches": batches,
                            "batch": f"{cfg.rollout.batch_prompts} prompts x {cfg.rollout.n_samples} samples, "
                                     f"max_new_tokens {cfg.rollout.sampling.max_new_tokens}",
-                           "loop_used": bool(engines["auto"]._loop)}
+                           "loop_used": engines["auto"].uses_loop}
     for d, name in (("auto", "loop"), ("generate", "generate")):
         res[f"{name}_ms_median"] = 1000 * statistics.median(times[d])
         res[f"{name}_ms_min"] = 1000 * min(times[d])

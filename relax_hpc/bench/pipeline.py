@@ -55,6 +55,7 @@ from relax_hpc.bench.common import (
     machine,
     metric_value,
     print_fields,
+    read_records,
     report,
     run_guarded,
 )
@@ -93,18 +94,6 @@ class ModeRun:
     rollout: list[dict[str, Any]] = field(default_factory=list)
     """The rollout worker's metric records (fully_async)."""
     finished: bool = False
-
-
-def read_records(run_dir: RunDir, proc: str) -> list[dict[str, Any]]:
-    """Every parseable record of one process's event log (a missing log is empty)."""
-    path = run_dir.event_log(proc)
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 def run_mode(recipe: Path, overrides: list[str], root: Path, *, timeout_s: float) -> ModeRun:

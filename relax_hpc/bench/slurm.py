@@ -55,7 +55,7 @@ def use_local_cluster() -> None:
 
 def held_array(n: int) -> str:
     """Submit a held ``n``-task array of trivial jobs (they never run); returns its id. Cancel it by id."""
-    res = slurm_cli._run(["sbatch", "--parsable", "--hold", f"--array=0-{n - 1}", "--job-name=relax-bench",
+    res = slurm_cli.run_slurm(["sbatch", "--parsable", "--hold", f"--array=0-{n - 1}", "--job-name=relax-bench",
                           "--output=/dev/null", "--time=5", "--wrap", "sleep 1"])
     if res.returncode != 0:
         raise RuntimeError(f"sbatch failed: {res.stderr.strip()}")

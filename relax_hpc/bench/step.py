@@ -119,8 +119,8 @@ def run_loop(rec: dict[str, Any], root: Path, law: Any = None) -> tuple[list[dic
     import torch
     import yaml
 
+    from relax_hpc.bench.common import read_records
     from relax_hpc.bench.lengths import Uniform, engines_with_lengths
-    from relax_hpc.bench.pipeline import read_records
     from relax_hpc.cli.submit import prepare_run_dir
     from relax_hpc.modes.colocate import run_colocate
 

@@ -76,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
     from relax_hpc.config.load import load_recipe
 
     cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
+    from relax_hpc.weights.transport import deprecation, resolve
+
+    resolve(cfg, warn=False)  # a weights.transport the mode or engine cannot use: one line (cli.main)
+    if (old := deprecation(cfg)) is not None:
+        print(f"warning: {old}", file=sys.stderr)
     from relax_hpc.trainer.checks import check_trainer
 
     check_trainer(cfg)

@@ -28,6 +28,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
     check_trainer(cfg)  # the backend's own checks (megatron: the layout against the model)
+    from relax_hpc.weights.transport import deprecation, resolve
+
+    resolve(cfg, warn=False)  # a weights.transport the mode or engine cannot use: one line (cli.main)
+    if (old := deprecation(cfg)) is not None:
+        print(f"warning: {old}", file=sys.stderr)
     if not args.no_preflight:
         from relax_hpc.config.preflight import preflight, resolve_executor, start_warnings
 

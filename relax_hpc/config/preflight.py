@@ -135,7 +135,7 @@ def check_data(data: DataConfig, tokenizer: Any) -> None:
     """The data file exists, holds rows, and its first rows have the prompt and answer keys."""
     if data.path is None:
         return
-    from relax_hpc.data.dataset import _field
+    from relax_hpc.data.dataset import row_field
 
     if not Path(data.path).expanduser().exists():
         raise CannotRunHere(missing_data(data.path))
@@ -145,8 +145,8 @@ def check_data(data: DataConfig, tokenizer: Any) -> None:
     for row in rows[:PEEK_ROWS]:
         if not isinstance(row.fields, dict):
             raise UserError(f"{row.origin}: a row must be a JSON object")
-        _field(row, data.prompt_key, "data.prompt_key")
-        _field(row, data.answer_key, "data.answer_key")
+        row_field(row, data.prompt_key, "data.prompt_key")
+        row_field(row, data.answer_key, "data.answer_key")
     if data.chat_template and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
         raise UserError("data.chat_template is true but the tokenizer has no chat template; "
                         "set data.chat_template: false to tokenize raw text")

@@ -89,7 +89,8 @@ class ServerConfig(Section):
     max_resubmits: int = Field(4, ge=0)
     """A sample aborted by weight updates more often than this is returned as aborted (``finish_reason=abort``)."""
     weight_sync: Literal["files", "distributed"] = "files"
-    """``files``: the server loads each snapshot folder from the run dir; ``distributed``: the trainer broadcasts
+    """Deprecated: use ``weights.transport`` (``distributed`` = ``kind: server``). ``files``: the server loads each
+    snapshot folder from the run dir; ``distributed``: the trainer broadcasts
     the buckets to the servers over a process group (SGLang ``/update_weights_from_distributed``, vLLM's
     weight-transfer engine); any failure falls back to the files, logged as an event."""
     sync_timeout_s: float = Field(300.0, gt=0)

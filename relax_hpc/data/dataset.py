@@ -84,7 +84,7 @@ class _Record:
         return bool(self.images or self.audios or self.videos)
 
 
-def _field(row: Row, key: str, setting: str) -> Any:
+def row_field(row: Row, key: str, setting: str) -> Any:
     """``row[key]``; a dotted key (``reward_model.ground_truth``) that is not a field itself walks nested dicts."""
     if key in row.fields:
         return row.fields[key]
@@ -232,8 +232,8 @@ class PromptDataset:
         prompts = []
         kept = []
         for row in rows:
-            prompt = _field(row, cfg.prompt_key, "data.prompt_key")
-            answer = _field(row, cfg.answer_key, "data.answer_key")
+            prompt = row_field(row, cfg.prompt_key, "data.prompt_key")
+            answer = row_field(row, cfg.answer_key, "data.answer_key")
             skip = {cfg.prompt_key, cfg.answer_key, cfg.media.options_key, *MEDIA_KEYS.values()}
             meta = {k: v for k, v in row.fields.items() if k not in skip}
             meta["source"] = row.origin

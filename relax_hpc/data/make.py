@@ -105,7 +105,7 @@ def _gsm8k(rec: dict) -> dict | None:
 
 
 def _math(rec: dict) -> dict | None:
-    from relax_hpc.rewards.builtin import last_boxed
+    from relax_hpc.data.answers import last_boxed
 
     answer = last_boxed(rec.get("solution") or "")
     return {"prompt": rec["problem"], "answer": answer} if answer else None

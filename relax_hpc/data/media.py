@@ -42,7 +42,7 @@ def resolve_ref(ref: Any, base_dir: Path, origin: str, kind: str) -> MediaRef:
     return p
 
 
-def _open(ref: MediaRef) -> Any:
+def open_media(ref: MediaRef) -> Any:
     return io.BytesIO(ref) if isinstance(ref, bytes) else ref
 
 
@@ -51,10 +51,10 @@ def load_image(ref: MediaRef) -> Any:
     from PIL import Image
 
     try:
-        with Image.open(_open(ref)) as im:  # type: ignore[arg-type]
+        with Image.open(open_media(ref)) as im:  # type: ignore[arg-type]
             return im.convert("RGB")
     except (OSError, ValueError, SyntaxError) as exc:
-        raise MediaError(f"cannot read image {_name(ref)}: {exc}") from None
+        raise MediaError(f"cannot read image {media_name(ref)}: {exc}") from None
 
 
 def image_size(ref: MediaRef) -> tuple[int, int]:
@@ -62,14 +62,14 @@ def image_size(ref: MediaRef) -> tuple[int, int]:
     from PIL import Image
 
     try:
-        with Image.open(_open(ref)) as im:  # type: ignore[arg-type]
+        with Image.open(open_media(ref)) as im:  # type: ignore[arg-type]
             w, h = im.size
     except (OSError, ValueError, SyntaxError) as exc:
-        raise MediaError(f"cannot read image {_name(ref)}: {exc}") from None
+        raise MediaError(f"cannot read image {media_name(ref)}: {exc}") from None
     return h, w
 
 
-def _name(ref: MediaRef) -> str:
+def media_name(ref: MediaRef) -> str:
     return str(ref) if isinstance(ref, Path) else f"<{type(ref).__name__}>"
 
 
@@ -79,7 +79,7 @@ def _decode_soundfile(ref: Path | bytes) -> tuple[np.ndarray, int] | None:
     import soundfile as sf
 
     try:
-        x, rate = sf.read(_open(ref), dtype="float32", always_2d=True)
+        x, rate = sf.read(open_media(ref), dtype="float32", always_2d=True)
     except sf.LibsndfileError:
         return None
     except (RuntimeError, TypeError, ValueError, OSError):
@@ -92,9 +92,9 @@ def _decode_av(ref: Path | bytes) -> tuple[np.ndarray, int]:
     import av
 
     try:
-        with av.open(_open(ref) if isinstance(ref, bytes) else str(ref)) as container:  # type: ignore[arg-type]
+        with av.open(open_media(ref) if isinstance(ref, bytes) else str(ref)) as container:  # type: ignore[arg-type]
             if not container.streams.audio:
-                raise MediaError(f"{_name(ref)} has no audio stream")
+                raise MediaError(f"{media_name(ref)} has no audio stream")
             stream = container.streams.audio[0]
             rate = int(stream.rate or stream.codec_context.sample_rate)
             chunks = []
@@ -103,7 +103,7 @@ def _decode_av(ref: Path | bytes) -> tuple[np.ndarray, int]:
                 channels = len(frame.layout.channels)
                 chunks.append(a.reshape(channels, -1) if frame.format.is_planar else a.reshape(-1, channels).T)
     except av.FFmpegError as exc:
-        raise MediaError(f"cannot decode audio {_name(ref)}: {exc}") from None
+        raise MediaError(f"cannot decode audio {media_name(ref)}: {exc}") from None
     if not chunks:
         return np.zeros((0, 1), dtype=np.float32), rate
     return np.concatenate(chunks, axis=1).T, rate
@@ -137,7 +137,7 @@ def load_audio(ref: MediaRef, sampling_rate: int) -> np.ndarray:
     be decoded, raises :class:`MediaError`."""
     x, rate = decode_audio(ref)
     if x.size == 0:
-        raise MediaError(f"audio {_name(ref)} has no samples")
+        raise MediaError(f"audio {media_name(ref)} has no samples")
     return resample(x.mean(axis=1), rate, sampling_rate)
 
 

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from relax_hpc.data.media import MediaError, MediaRef, _name, _open
+from relax_hpc.data.media import MediaError, MediaRef, media_name, open_media
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -158,7 +158,7 @@ def timestamps(indices: np.ndarray, fps: float, temporal_patch_size: int) -> lis
 def _src(ref: MediaRef) -> Any:
     if isinstance(ref, tuple):
         raise MediaError("a video reference must be a file or encoded bytes")
-    return _open(ref) if isinstance(ref, bytes) else str(ref)
+    return open_media(ref) if isinstance(ref, bytes) else str(ref)
 
 
 def probe(ref: MediaRef) -> VideoMeta:
@@ -168,7 +168,7 @@ def probe(ref: MediaRef) -> VideoMeta:
     try:
         with av.open(_src(ref)) as c:
             if not c.streams.video:
-                raise MediaError(f"{_name(ref)} has no video stream")
+                raise MediaError(f"{media_name(ref)} has no video stream")
             s = c.streams.video[0]
             total = int(s.frames)
             if total == 0:  # no count in the header: count the packets that carry a frame
@@ -176,9 +176,9 @@ def probe(ref: MediaRef) -> VideoMeta:
             fps = float(s.average_rate) if s.average_rate else 0.0
             meta = VideoMeta(total, fps, int(s.height), int(s.width))
     except av.FFmpegError as exc:
-        raise MediaError(f"cannot read video {_name(ref)}: {exc}") from None
+        raise MediaError(f"cannot read video {media_name(ref)}: {exc}") from None
     if meta.total_frames <= 0:
-        raise MediaError(f"video {_name(ref)} has no frames")
+        raise MediaError(f"video {media_name(ref)} has no frames")
     return meta
 
 
@@ -191,7 +191,7 @@ def has_audio(ref: MediaRef) -> bool:
         with av.open(_src(ref)) as c:
             return bool(c.streams.audio)
     except av.FFmpegError as exc:
-        raise MediaError(f"cannot read video {_name(ref)}: {exc}") from None
+        raise MediaError(f"cannot read video {media_name(ref)}: {exc}") from None
 
 
 def sample_indices(meta: VideoMeta, s: VideoSettings) -> np.ndarray:
@@ -229,10 +229,10 @@ def decode_frames(ref: MediaRef, indices: np.ndarray) -> np.ndarray:
                 if i >= last:
                     break
     except av.FFmpegError as exc:
-        raise MediaError(f"cannot decode video {_name(ref)}: {exc}") from None
+        raise MediaError(f"cannot decode video {media_name(ref)}: {exc}") from None
     got = [f for f in out if f is not None]
     if len(got) != len(out):
-        raise MediaError(f"video {_name(ref)} decoded {len(got)} of the {len(out)} frames its header promises")
+        raise MediaError(f"video {media_name(ref)} decoded {len(got)} of the {len(out)} frames its header promises")
     return np.stack(got)
 
 

@@ -25,7 +25,7 @@ ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "RE
                            "RESV_DEL_HOLD", "SPECIAL_EXIT"})
 
 
-def _run(argv: Sequence[str], *, timeout_s: float = TIMEOUT_S, env: dict[str, str] | None = None,
+def run_slurm(argv: Sequence[str], *, timeout_s: float = TIMEOUT_S, env: dict[str, str] | None = None,
          ) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False,
@@ -75,7 +75,7 @@ def sbatch(script: Path, *, extra_args: Sequence[str] = (), env: dict[str, str] 
 
     Raises :class:`UserError` with sbatch's message on one line (an unknown partition, a bad time limit ...).
     """
-    res = _run(["sbatch", "--parsable", *extra_args, str(script)], env=env)
+    res = run_slurm(["sbatch", "--parsable", *extra_args, str(script)], env=env)
     if res.returncode != 0:
         raise UserError(f"sbatch rejected {script.name}: {_one_line(res.stderr, 'sbatch')}")
     job_id = res.stdout.strip().split(";")[0]
@@ -94,7 +94,7 @@ def scancel(job_ids: Iterable[str], *, signal: str | None = None, batch: bool = 
         argv.append(f"--signal={signal}")
     if batch:
         argv.append("--batch")
-    res = _run([*argv, *ids])
+    res = run_slurm([*argv, *ids])
     if res.returncode != 0:
         msg = _one_line(res.stderr, "scancel")
         if "already completed" not in msg and "Invalid job id" not in msg:
@@ -103,7 +103,7 @@ def scancel(job_ids: Iterable[str], *, signal: str | None = None, batch: bool = 
 
 def requeue(job_id: str) -> None:
     """``scontrol requeue JOB`` (what a preemption does to a job: SIGTERM to its steps, then it runs again)."""
-    res = _run(["scontrol", "requeue", str(job_id)])
+    res = run_slurm(["scontrol", "requeue", str(job_id)])
     if res.returncode != 0:
         raise UserError(f"scontrol requeue {job_id}: {_one_line(res.stderr, 'scontrol')}")
 
@@ -161,7 +161,7 @@ def query_jobs(job_ids: Iterable[str], *, use_sacct: bool = True) -> JobQuery:
     out = JobQuery()
     if not ids:
         return out
-    res = _run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%r|%M|%N|%A"])
+    res = run_slurm(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%r|%M|%N|%A"])
     if res.returncode == 0:
         for line in res.stdout.splitlines():
             parts = line.strip().split("|")
@@ -171,7 +171,7 @@ def query_jobs(job_ids: Iterable[str], *, use_sacct: bool = True) -> JobQuery:
     elif "Invalid job id" not in res.stderr:
         out.warnings.append(f"squeue failed: {_one_line(res.stderr, 'squeue')}")
     if use_sacct:
-        res = _run(["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o",
+        res = run_slurm(["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o",
                     "JobID,State,ExitCode,Elapsed,NodeList,JobIDRaw"])
         if res.returncode == 0:
             for line in res.stdout.splitlines():

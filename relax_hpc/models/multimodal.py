@@ -1,6 +1,6 @@
-"""Multimodal models: tiny Qwen2.5-VL and Qwen2-Audio made from config (random weights, offline), an offline
-byte-level BPE tokenizer with their special tokens, and the prompt-side preprocessing that turns a prompt's images
-and audios into the named tensors the sample store carries.
+"""Multimodal models: tiny Qwen2.5-VL, Qwen3-VL, Qwen2-Audio and Omni thinkers (their own section at the end) made
+from config (random weights, offline), an offline byte-level BPE tokenizer with their special tokens, and the
+prompt-side preprocessing that turns a prompt's images and audios into the named tensors the sample store carries.
 
 The combined HF *processors* of these models need torchvision, so the image processor (``Qwen2VLImageProcessorPil``)
 and the audio feature extractor (``WhisperFeatureExtractor``) are used directly, and the placeholder tokens are
@@ -77,7 +77,7 @@ def build_tiny_bpe_tokenizer(*, vocab_size: int = 400, corpus: list[str] | None 
     return fast
 
 
-def _token_id(tokenizer: Any, token: str) -> int:
+def token_id_of(tokenizer: Any, token: str) -> int:
     tid = tokenizer.convert_tokens_to_ids(token)
     if tid is None or tid == tokenizer.unk_token_id:
         raise ConfigError(f"the tokenizer has no {token} token (needed for multimodal prompts)")
@@ -180,7 +180,7 @@ class MultimodalPreprocessor:
         for kind, have, tok in (("image", image_processor, image_token), ("audio", feature_extractor, audio_token),
                                 ("video", video, video_token)):
             if have is not None:
-                self.token_ids[kind] = _token_id(tokenizer, tok)
+                self.token_ids[kind] = token_id_of(tokenizer, tok)
         self.image_token_id = self.token_ids.get("image")
         self.audio_token_id = self.token_ids.get("audio")
         self.video_token_id = self.token_ids.get("video")
@@ -411,8 +411,6 @@ def tiny_preprocessor(arch: str, tokenizer: Any) -> MultimodalPreprocessor | Non
                               image_mean=half, image_std=half)
         return MultimodalPreprocessor(tokenizer, image_processor=ip, video=video)
     if arch in ("qwen2_5_omni", "qwen3_omni"):
-        from relax_hpc.models.omni import tiny_omni_preprocessor
-
         return tiny_omni_preprocessor(arch, tokenizer)
     if arch == "qwen2_audio":
         from transformers import WhisperFeatureExtractor
@@ -482,7 +480,7 @@ def omni_preprocessor(cfg: ModelConfig, tokenizer: Any, model_type: str) -> Mult
     eos = getattr(conf, "audio_end_token_id", None)  # Qwen3-Omni's config names only the start: its pair's end
     if eos is None:
         name = str(tokenizer.convert_ids_to_tokens(bos))
-        eos = _token_id(tokenizer, name.replace("_start|>", "_end|>").replace("_bos|>", "_eos|>"))
+        eos = token_id_of(tokenizer, name.replace("_start|>", "_end|>").replace("_bos|>", "_eos|>"))
     layout = AudioInVideo("merged" if qwen3 else "chunked", bos, eos, float(conf.position_id_per_seconds),
                           float(getattr(conf, "seconds_per_chunk", 2.0) or 2.0))
     return MultimodalPreprocessor(tokenizer, image_processor=ip, video=video,
@@ -516,7 +514,7 @@ def build_tiny_qwen3_vl_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    text = _text_config(cfg, tokenizer)
+    text = tiny_text_config(cfg, tokenizer)
     half = cfg.hidden_size // cfg.num_heads // 2
     t = max(1, half // 4)
     text.update(head_dim=cfg.hidden_size // cfg.num_heads,
@@ -525,7 +523,7 @@ def build_tiny_qwen3_vl_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int
     vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size":
               cfg.hidden_size, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
               "num_position_embeddings": 64, "deepstack_visual_indexes": [1]}
-    ids = {k: _token_id(tokenizer, tok) for k, tok in (("image_token_id", "<|image_pad|>"),
+    ids = {k: token_id_of(tokenizer, tok) for k, tok in (("image_token_id", "<|image_pad|>"),
                                                         ("video_token_id", "<|video_pad|>"),
                                                         ("vision_start_token_id", "<|vision_start|>"),
                                                         ("vision_end_token_id", "<|vision_end|>"))}
@@ -535,7 +533,7 @@ def build_tiny_qwen3_vl_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int
         return Qwen3VLForConditionalGeneration(config)
 
 
-def _text_config(cfg: TinyModelConfig, tokenizer: Any) -> dict[str, Any]:
+def tiny_text_config(cfg: TinyModelConfig, tokenizer: Any) -> dict[str, Any]:
     if cfg.hidden_size % cfg.num_heads:
         raise ConfigError(f"model.tiny.hidden_size={cfg.hidden_size} is not divisible by num_heads={cfg.num_heads}")
     return {"vocab_size": len(tokenizer), "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -552,14 +550,14 @@ def build_tiny_vl_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int = 0) 
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    text = _text_config(cfg, tokenizer)
+    text = tiny_text_config(cfg, tokenizer)
     half = cfg.hidden_size // cfg.num_heads // 2  # rotary frequencies per head, split over (t, h, w)
     t = max(1, half // 4)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6,
                                "mrope_section": [t, (half - t) // 2, half - t - (half - t) // 2]}
     vision = {**TINY_VISION, "out_hidden_size": cfg.hidden_size, "patch_size": TINY_IMAGE["patch_size"],
               "spatial_merge_size": TINY_IMAGE["merge_size"], "temporal_patch_size": TINY_IMAGE["temporal_patch_size"]}
-    ids = {k: _token_id(tokenizer, tok) for k, tok in (("image_token_id", "<|image_pad|>"),
+    ids = {k: token_id_of(tokenizer, tok) for k, tok in (("image_token_id", "<|image_pad|>"),
                                                         ("video_token_id", "<|video_pad|>"),
                                                         ("vision_start_token_id", "<|vision_start|>"),
                                                         ("vision_end_token_id", "<|vision_end|>"))}
@@ -580,12 +578,12 @@ def build_tiny_audio_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: int = 
     import torch
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
-    text = {"model_type": "qwen2", **_text_config(cfg, tokenizer)}
+    text = {"model_type": "qwen2", **tiny_text_config(cfg, tokenizer)}
     frames = TINY_AUDIO["chunk_length"] * TINY_AUDIO["sampling_rate"] // TINY_AUDIO["hop_length"]
     audio = {"model_type": "qwen2_audio_encoder", "d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2,
              "encoder_ffn_dim": 64, "num_mel_bins": TINY_AUDIO["feature_size"], "max_source_positions": frames // 2}
     config = Qwen2AudioConfig(audio_config=audio, text_config=text,
-                              audio_token_index=_token_id(tokenizer, "<|AUDIO|>"))
+                              audio_token_index=token_id_of(tokenizer, "<|AUDIO|>"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2AudioForConditionalGeneration(config)
@@ -601,7 +599,129 @@ def build_tiny_multimodal_model(cfg: TinyModelConfig, tokenizer: Any, *, seed: i
     if cfg.arch == "qwen2_audio":
         return build_tiny_audio_model(cfg, tokenizer, seed=seed)
     if cfg.arch in ("qwen2_5_omni", "qwen3_omni"):
-        from relax_hpc.models.omni import build_tiny_omni
-
         return build_tiny_omni(cfg, tokenizer, seed=seed)
     raise ConfigError(f"model.tiny.arch={cfg.arch!r} is not multimodal (use relax_hpc.models.tiny for qwen3)")
+
+# ---------------------------------------------------------------------------------------------------- omni thinkers
+# Omni thinkers: tiny Qwen2.5-Omni and Qwen3-Omni-MoE thinkers made from config (random weights, offline) and their
+# preprocessors (images, audios, videos); real ones load by path like any HF model
+# (``Qwen2_5OmniThinkerForConditionalGeneration`` / ``Qwen3OmniMoeThinkerForConditionalGeneration``).
+#
+# The tiny models share the offline BPE tokenizer of :mod:`relax_hpc.models.multimodal`: images are
+# ``<|vision_start|><|image_pad|><|vision_end|>``, videos ``<|vision_start|><|video_pad|><|vision_end|>``, audios
+# ``<|audio_bos|><|AUDIO|><|audio_eos|>`` (the config's token ids point at these tokens). Their 3-D rotary positions
+# come from the model's own ``get_rope_index`` (see :mod:`relax_hpc.models.mrope`).
+
+TINY_OMNI_VISION = {"qwen2_5_omni": {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2},
+                    "qwen3_omni": {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}}
+"""Vision patching of the tiny thinkers (Qwen3-Omni's tower has 16-pixel patches)."""
+TINY_OMNI_PIXELS = {"min_pixels": 32 * 32, "max_pixels": 32 * 32 * 16}
+"""Images and video frames of the tiny thinkers stay within 16 merged tokens."""
+
+
+def _mrope_section(cfg: TinyModelConfig) -> list[int]:
+    half = cfg.hidden_size // cfg.num_heads // 2
+    t = max(1, half // 4)
+    return [t, (half - t) // 2, half - t - (half - t) // 2]
+
+
+def _ids(tokenizer: Any) -> dict[str, int]:
+    return {"image": token_id_of(tokenizer, "<|image_pad|>"), "video": token_id_of(tokenizer, "<|video_pad|>"),
+            "audio": token_id_of(tokenizer, "<|AUDIO|>"), "vision_start": token_id_of(tokenizer, "<|vision_start|>"),
+            "vision_end": token_id_of(tokenizer, "<|vision_end|>"),
+            "audio_start": token_id_of(tokenizer, "<|audio_bos|>"),
+            "audio_end": token_id_of(tokenizer, "<|audio_eos|>")}
+
+
+def build_tiny_qwen2_5_omni(cfg: TinyModelConfig, tokenizer: Any, *, seed: int = 0) -> Any:
+    """A small ``Qwen2_5OmniThinkerForConditionalGeneration``: the text model shaped by ``cfg``, a 2-block vision
+    tower of width 32 (patch 14) and a 2-layer audio encoder of width 32 on :data:`TINY_AUDIO` features."""
+    import torch
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    ids = _ids(tokenizer)
+    text = tiny_text_config(cfg, tokenizer)
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(cfg)},
+                head_dim=cfg.hidden_size // cfg.num_heads, audio_token_index=ids["audio"],
+                image_token_index=ids["image"], video_token_index=ids["video"],
+                vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+                audio_start_token_id=ids["audio_start"], audio_end_token_id=ids["audio_end"])
+    v = TINY_OMNI_VISION["qwen2_5_omni"]
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size":
+              cfg.hidden_size, "patch_size": v["patch_size"], "spatial_merge_size": v["merge_size"],
+              "temporal_patch_size": v["temporal_patch_size"], "fullatt_block_indexes": [1], "window_size": 56}
+    frames = TINY_AUDIO["chunk_length"] * TINY_AUDIO["sampling_rate"] // TINY_AUDIO["hop_length"]
+    audio = {"d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+             "num_mel_bins": TINY_AUDIO["feature_size"], "max_source_positions": frames // 2, "n_window": 50,
+             "output_dim": cfg.hidden_size}
+    config = Qwen2_5OmniThinkerConfig(text_config=text, vision_config=vision, audio_config=audio,
+                                      audio_token_index=ids["audio"], image_token_index=ids["image"],
+                                      video_token_index=ids["video"], audio_start_token_id=ids["audio_start"],
+                                      audio_end_token_id=ids["audio_end"], vision_start_token_id=ids["vision_start"],
+                                      tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2_5OmniThinkerForConditionalGeneration(config)
+
+
+def build_tiny_qwen3_omni(cfg: TinyModelConfig, tokenizer: Any, *, seed: int = 0) -> Any:
+    """A small ``Qwen3OmniMoeThinkerForConditionalGeneration``: a mixture-of-experts text model shaped by ``cfg``
+    (4 experts, 2 per token), a 2-block vision tower of width 32 (patch 16, one deepstack layer) and a 2-layer audio
+    encoder of width 32."""
+    import torch
+    from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    ids = _ids(tokenizer)
+    text = tiny_text_config(cfg, tokenizer)
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(cfg),
+                                 "mrope_interleaved": True},
+                head_dim=cfg.hidden_size // cfg.num_heads, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=cfg.intermediate_size // 2)
+    v = TINY_OMNI_VISION["qwen3_omni"]
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size":
+              cfg.hidden_size, "patch_size": v["patch_size"], "spatial_merge_size": v["merge_size"],
+              "temporal_patch_size": v["temporal_patch_size"], "num_position_embeddings": 64,
+              "deepstack_visual_indexes": [1]}
+    audio = {"d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+             "num_mel_bins": TINY_AUDIO["feature_size"], "max_source_positions": 100, "n_window": 50,
+             "n_window_infer": 100, "output_dim": cfg.hidden_size, "downsample_hidden_size": 16}
+    config = Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio,
+                                       audio_token_id=ids["audio"], image_token_id=ids["image"],
+                                       video_token_id=ids["video"], audio_start_token_id=ids["audio_start"],
+                                       vision_start_token_id=ids["vision_start"], tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen3OmniMoeThinkerForConditionalGeneration(config)
+
+
+def tiny_omni_preprocessor(arch: str, tokenizer: Any) -> MultimodalPreprocessor:
+    """Images, audios and videos for the tiny thinker of ``arch`` (``qwen2_5_omni`` or ``qwen3_omni``)."""
+    from transformers import WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from relax_hpc.data.video import VideoSettings
+
+    v = TINY_OMNI_VISION[arch]
+    ip = Qwen2VLImageProcessorPil(**v, **TINY_OMNI_PIXELS)
+    video = VideoSettings(fps=2.0, min_frames=2, max_frames=8, **v, **TINY_OMNI_PIXELS)
+    out_len = audio_out_len_qwen3_omni if arch == "qwen3_omni" else audio_out_len_qwen2
+    return MultimodalPreprocessor(tokenizer, image_processor=ip, video=video, audio_out_len=out_len,
+                                  feature_extractor=WhisperFeatureExtractor(**TINY_AUDIO),
+                                  audio_in_video=audio_in_video(arch, tokenizer, None))
+
+
+def audio_in_video(arch: str, tokenizer: Any, config: Any) -> AudioInVideo:
+    """The ``use_audio_in_video`` layout of a thinker of ``arch`` (``qwen2_5_omni``/``qwen3_omni``), its timing from
+    the thinker's ``config`` (None: the config class's defaults, as the tiny models use)."""
+    ids = _ids(tokenizer)
+    if config is None:
+        from transformers import Qwen2_5OmniThinkerConfig
+
+        config = Qwen2_5OmniThinkerConfig()  # 25 positions a second, 2 s chunks (Qwen3-Omni: the same rate)
+    return AudioInVideo("merged" if arch == "qwen3_omni" else "chunked", ids["audio_start"], ids["audio_end"],
+                        float(config.position_id_per_seconds), float(getattr(config, "seconds_per_chunk", 2.0) or 2.0))
+
+
+def build_tiny_omni(cfg: TinyModelConfig, tokenizer: Any, *, seed: int = 0) -> Any:
+    """The tiny thinker of ``cfg.arch``."""
+    return (build_tiny_qwen3_omni if cfg.arch == "qwen3_omni" else build_tiny_qwen2_5_omni)(cfg, tokenizer, seed=seed)

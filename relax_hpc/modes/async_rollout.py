@@ -2,8 +2,9 @@
 sample store, and pause when the store's backlog shows the trainer would find them too stale.
 
 Generation, rewards, groups and the store write are the rollout driver's (:mod:`relax_hpc.rollout.driver`); the
-worker holds no model: its engine loads its own weights, and new ones go in through ``engine.receive``
-(:mod:`relax_hpc.rollout.weight_sync`: over the fast path when the trainer has one, the snapshot files the truth).
+worker holds no model: its engine loads its own weights, and new ones go in through ``engine.receive`` by the
+recipe's transport (:func:`relax_hpc.weights.transport.make_receiver`: over a process group or into the servers
+when the transport has such a path, the snapshot files the truth).
 
 Admission control (:mod:`relax_hpc.rollout.admission`): a batch generated now with weights ``v`` is consumed after
 the backlog and the batches other workers are generating, so its staleness is about ``1 + ahead / prompts_per_step``
@@ -23,7 +24,7 @@ import logging
 import time
 from typing import Any, Literal
 
-from relax_hpc.config.schema import RecipeConfig, ServerRolloutBase
+from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.events import EventLog, Heartbeat
 from relax_hpc.fsio import read_json, wait_for
 from relax_hpc.health import RunHealth
@@ -74,6 +75,7 @@ class RolloutWorker:
         from relax_hpc.rollout.hf_engine import sampling_params
         from relax_hpc.store import ShardWriter, new_writer_id
         from relax_hpc.store.watch import files_watch
+        from relax_hpc.weights.transport import make_receiver
 
         self.run_dir, self.cfg, self.rank = run_dir, cfg, rank
         self.proc = proc = proc_name("rollout", rank)
@@ -99,33 +101,10 @@ class RolloutWorker:
                                     writer_id=writer_id, writer=ShardWriter(run_dir, writer_id),
                                     episode=C.build_episode(cfg, tok),
                                     admission=self.admission)
-        self.sync = self._weight_sync()
+        self.sync = make_receiver(cfg, self.engine, run_dir=run_dir, rank=rank, proc=proc, events=self.events)
         self.watch = files_watch(run_dir.consumer_planned("trainer"), run_dir.weights_latest, run_dir.claims)
         self.pause_total = 0.0
         self.carried = PhaseTimer()  # pause and weight loads of cycles that ended in a reload, not yet logged
-
-    def _weight_sync(self) -> Any:
-        from relax_hpc.modes.async_trainer import server_fast_path
-        from relax_hpc.rollout.weight_sync import FastPathStream, WeightSync
-
-        cfg = self.cfg
-        fast: Any = None  # a ServerFastPath or a FastPathStream: fetch(have), close(), and the stream itself
-        template = self.engine.weight_template()
-        if server_fast_path(cfg):  # trainer rank 0 broadcasts into this worker's server
-            assert isinstance(cfg.rollout, ServerRolloutBase)  # server_fast_path: the sglang engine
-            from relax_hpc.rollout.server.fastpath import ServerFastPath
-
-            fast = ServerFastPath(self.run_dir, self.rank, timeout_s=min(30.0, cfg.rollout.server.sync_timeout_s))
-        elif cfg.rollout.engine == "vllm" and cfg.rollout.server.weight_sync == "distributed":
-            self.events.event("weight_sync_files", "rollout.server.weight_sync=distributed: vLLM's weight-transfer "
-                              "engine needs its NCCL communicator on the trainer side, which is not wired; the vllm "
-                              "servers load the snapshot files", level="warning")
-        elif cfg.weights.fast_path != "off" and template is not None:
-            from relax_hpc.weights.fastpath import FastPathClient, link_device
-
-            device = link_device(cfg.weights.fast_path, str(getattr(self.engine, "device", "cpu")))
-            fast = FastPathStream(FastPathClient(self.run_dir, self.rank, device=device), template)
-        return WeightSync(self.run_dir, self.engine, reader=self.proc, verify=cfg.weights.verify, fast=fast)
 
     # ------------------------------------------------------------------------------------------ the loop
     def finished(self) -> bool:
@@ -175,11 +154,11 @@ class RolloutWorker:
     def _fast_pull(self, timer: PhaseTimer) -> str:
         """The trainer hands new weights to the fast path before it frees room in the store, so they are often
         here before LATEST names them."""
-        if self.sync.fast is None or self.driver.counter == 0:
+        if not self.sync.fast or self.driver.counter == 0:
             return ""
         have = self.engine.version
         with timer.phase("sync"):
-            got = self.driver.call(self.sync.pull_fast())
+            got = self.driver.call(self.sync.pull())
         if got is None or got <= have:
             return ""
         self.hb.beat(version=self.engine.version)

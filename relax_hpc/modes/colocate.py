@@ -3,8 +3,9 @@
 Each step: the next ``prompts_per_step`` prompts (each rank takes its slice) -> the rollout driver
 (:mod:`relax_hpc.rollout.driver`: ``n_samples`` completions each from the engine, which generates with the trainer's
 own module -> rewards -> groups written to the sample store, so the monitor and resume work as in fully_async) ->
-the leader plans the step's batch from the store -> every rank trains on its part -> the engine is told the new
-version (:class:`~relax_hpc.rollout.engine.SharedModule`: same module, updated in memory). Snapshots are published
+the leader plans the step's batch from the store -> every rank trains on its part -> the engine gets the new
+version through the ``memory`` weight transport (:mod:`relax_hpc.weights.transport.memory`: the same module, updated
+in memory, or a copy). Snapshots are published
 every ``weights.publish_every`` steps, checkpoints every ``trainer.checkpoint_every`` steps and on SIGUSR2/SIGTERM.
 """
 
@@ -18,7 +19,6 @@ from typing import Any
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.rundir import RunDir
 from relax_hpc.timing import PhaseTimer
-from relax_hpc.weights.handover import hand_over
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,11 @@ class Colocate:
 
     def __init__(self, run_dir: RunDir, cfg: RecipeConfig, *, rank: int, world_size: int):
         from relax_hpc.modes import components as C
-        from relax_hpc.modes.trainer_role import SnapshotFiles, start_trainer_role
+        from relax_hpc.modes.trainer_role import start_trainer_role
         from relax_hpc.rollout.driver import RolloutDriver
         from relax_hpc.rollout.hf_engine import sampling_params
         from relax_hpc.store import ShardWriter
+        from relax_hpc.weights.transport import make_sender
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.role = r = start_trainer_role(run_dir, cfg, "colocate", rank=rank, world_size=world_size)
@@ -59,7 +60,7 @@ class Colocate:
         self.trainer.state_on_every_rank = shared is None  # each rank's own engine model receives the whole state
         self.engine = C.build_engine(cfg, tok, seed=cfg.seed + rank, model=shared,
                                      device=r.policy.device if shared is not None else None)
-        if getattr(self.engine, "threaded", False) and getattr(self.engine, "run_on_thread", None) is not None:
+        if self.engine.threaded:
             import torch
 
             torch.set_num_threads(1)  # this thread's torch ops are small; the engine's thread runs the heavy ones
@@ -72,26 +73,18 @@ class Colocate:
                                     sampling=sampling_params(cfg.rollout.sampling, cfg.rollout.n_samples),
                                     writer_id=writer_id, writer=ShardWriter(run_dir, writer_id),
                                     episode=C.build_episode(cfg, tok))
-        self._hand_over(self.trainer.step)
+        # the engine generates with the weights in memory; the snapshot files are for the monitor and recovery
+        self.sender = make_sender(cfg, self.session, run_dir=run_dir, rank=rank, device=str(r.policy.device),
+                                  engine=self.engine, call=self.driver.call, events=r.events)
+        self.sender.start(self.trainer.step)
         if self.trainer.step == 0:
             self.session.publish()
-        self.files = SnapshotFiles(self.session)  # generation uses the weights in memory: files for monitor/recovery
         C.settle_gc()  # torch/transformers out of the collector; fewer young collections per step
         r.hb.beat(state="running", step=self.trainer.step, version=self.session.version, force=True)
 
     def _on_engine_thread(self, fn: Any) -> Any:
         """``fn()`` on the in-process engine's thread where it has one (see ``HFEngine.run_on_thread``), else here."""
-        run = getattr(self.engine, "run_on_thread", None)
-        return self.driver.call(run(fn)) if run is not None and getattr(self.engine, "threaded", False) else fn()
-
-    def _hand_over(self, version: int) -> None:
-        """The engine generates with ``version`` next: the same module (shared) or a copy of the trainer's state."""
-        from relax_hpc.rollout.engine import SharedModule
-        from relax_hpc.rollout.weight_sync import StateDictStream
-
-        source: Any = SharedModule() if getattr(self.engine, "shared", False) else StateDictStream(
-            self.trainer.full_state_dict())
-        self.driver.call(self.engine.receive(version, source))
+        return self.driver.call(self.engine.run_on_thread(fn)) if self.engine.threaded else fn()
 
     def step(self) -> None:
         """One step: generate and write this rank's groups, plan and read the step's batch, train, hand over."""
@@ -108,10 +101,8 @@ class Colocate:
             prep = prepare_items(items, cfg, self.role.algorithm)
         metrics = self._on_engine_thread(functools.partial(self.trainer.train_step, prep.items))
         self.session.version = self.trainer.step
-        self._hand_over(self.trainer.step)
-        if self.trainer.step % cfg.weights.publish_every == 0 or self.trainer.step == cfg.num_steps:
-            with timer.phase("sync"):  # one GPU: pinned copies on a side stream, written in the background
-                hand_over(self.files, self.trainer, self.trainer.step, final=self.trainer.step == cfg.num_steps)
+        with timer.phase("sync"):  # the engine's weights in memory; the files when due (one GPU: in the background)
+            self.sender.send(self.trainer.step, final=self.trainer.step == cfg.num_steps)
         with timer.phase("checkpoint"):
             self._checkpoint_or_poll()
         metrics.update(prep.metrics)
@@ -169,7 +160,7 @@ class Colocate:
     def finish(self) -> int:
         from relax_hpc.modes.trainer_role import end_trainer_role
 
-        self.files.close()
+        self.sender.close()
         return end_trainer_role(self.role, lambda: {"data": self.stream.state()})
 
 

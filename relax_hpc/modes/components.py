@@ -6,14 +6,28 @@ import gc
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from relax_hpc.config.schema import DistillAlgorithmConfig, RecipeConfig
 from relax_hpc.trainer.checks import check_backends
 
+if TYPE_CHECKING:
+    from torch import dtype as TorchDtype
+    from torch.nn import Module
+
+    from relax_hpc.algorithms.base import Algorithm
+    from relax_hpc.data.pool import PrefetchingStream
+    from relax_hpc.data.stream import PromptStream
+    from relax_hpc.envs.driver_episode import EnvEpisode
+    from relax_hpc.rewards.runner import RewardRunner
+    from relax_hpc.rollout.engine import RolloutEngine
+
 __all__ = ["check_backends"]
+
+Tokenizer = Any
+"""A HF tokenizer (``transformers.PreTrainedTokenizerBase``) or the built-in digits tokenizer of the tiny model."""
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +59,10 @@ def seed_everything(seed: int) -> None:
 class Policy:
     """The policy model, its tokenizer, and where it runs."""
 
-    model: Any
-    tokenizer: Any
+    model: Module
+    tokenizer: Tokenizer
     device: str
-    dtype: Any
+    dtype: TorchDtype
 
 
 def build_policy(cfg: RecipeConfig, *, device_pref: str) -> Policy:
@@ -61,7 +75,7 @@ def build_policy(cfg: RecipeConfig, *, device_pref: str) -> Policy:
     return Policy(model=model, tokenizer=tok, device=device, dtype=dtype)
 
 
-def build_aux_models(cfg: RecipeConfig, policy: Policy) -> tuple[Any, Any]:
+def build_aux_models(cfg: RecipeConfig, policy: Policy) -> tuple[Module | None, Module | None]:
     """(reference model or None, teacher model or None), frozen."""
     import copy
 
@@ -83,8 +97,8 @@ def build_aux_models(cfg: RecipeConfig, policy: Policy) -> tuple[Any, Any]:
     return ref, teacher
 
 
-def build_engine(cfg: RecipeConfig, tokenizer: Any, *, seed: int, model: Any = None, device: str | None = None,
-                 **server: Any) -> Any:
+def build_engine(cfg: RecipeConfig, tokenizer: Tokenizer, *, seed: int, model: Module | None = None,
+                 device: str | None = None, **server: Any) -> RolloutEngine:
     """The recipe's rollout engine: on ``model`` (colocate: the trainer's module, shared) or, with None, on weights
     of its own loaded from ``cfg.model`` (a fully_async worker holds no model). ``server``: ``run_dir``, ``proc``,
     ``events`` for the server engines."""
@@ -99,13 +113,13 @@ def worker_seeds(cfg: RecipeConfig, rank: int, incarnation: int) -> tuple[int, i
     return cfg.seed + 7919 * (rank + 1) + 104_729 * incarnation, 1000 * (rank + 1) + 100_003 * incarnation
 
 
-def build_algorithm(cfg: RecipeConfig) -> Any:
+def build_algorithm(cfg: RecipeConfig) -> Algorithm:
     from relax_hpc.algorithms.registry import get_algorithm
 
     return get_algorithm(cfg.algorithm.name)
 
 
-def build_prompt_stream(cfg: RecipeConfig, tokenizer: Any, *, seed_offset: int = 0) -> Any:
+def build_prompt_stream(cfg: RecipeConfig, tokenizer: Tokenizer, *, seed_offset: int = 0) -> PromptStream:
     from relax_hpc.data import PromptDataset, make_stream
     from relax_hpc.models.multimodal import build_preprocessor
 
@@ -113,7 +127,8 @@ def build_prompt_stream(cfg: RecipeConfig, tokenizer: Any, *, seed_offset: int =
     return make_stream(PromptDataset(cfg.data, tokenizer, seed=cfg.seed + seed_offset, multimodal=mm))
 
 
-def build_rollout_stream(cfg: RecipeConfig, tokenizer: Any, *, seed_offset: int = 0) -> Any:
+def build_rollout_stream(cfg: RecipeConfig, tokenizer: Tokenizer, *,
+                         seed_offset: int = 0) -> PromptStream | PrefetchingStream:
     """The prompt stream a rollout takes its batches from, dispatched once on ``data.media.pool_size``: 0 makes the
     media tensors inline when a batch is taken (a :class:`~relax_hpc.data.stream.PromptStream`); more starts that
     many preprocessing workers (:class:`~relax_hpc.data.pool.ProcessorPool`) behind a
@@ -131,7 +146,7 @@ def build_rollout_stream(cfg: RecipeConfig, tokenizer: Any, *, seed_offset: int 
                              wait_timeout_s=2 * media.item_timeout_s + 300.0)
 
 
-def build_episode(cfg: RecipeConfig, tokenizer: Any) -> Any:
+def build_episode(cfg: RecipeConfig, tokenizer: Tokenizer) -> EnvEpisode | None:
     """The driver's episode: multi-turn environment episodes for ``rollout.env``, else None (single turn)."""
     if cfg.rollout.env is None:
         return None
@@ -140,7 +155,8 @@ def build_episode(cfg: RecipeConfig, tokenizer: Any) -> Any:
     return EnvEpisode(cfg, tokenizer)
 
 
-def build_reward_runner(cfg: RecipeConfig, *, engine: Any = None, tokenizer: Any = None, name: str = "reward") -> Any:
+def build_reward_runner(cfg: RecipeConfig, *, engine: RolloutEngine | None = None, tokenizer: Tokenizer = None,
+                        name: str = "reward") -> RewardRunner:
     """The reward runner; ``engine`` and ``tokenizer`` (the rollout's) go to a reward that takes a ``context`` (a
     GenRM judge on the policy's own engine: ``reward.kwargs.model: rollout``)."""
     from relax_hpc.rewards import RewardRunner

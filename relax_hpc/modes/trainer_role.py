@@ -1,13 +1,12 @@
 """What the trainer side of both modes shares: setting the role up (model, optimizer, session, store consumer,
-resume or warm-up), publishing snapshot files in the background, and ending the role (checkpoint on a signal and
-exit for requeue, or export, mark the run completed and exit)."""
+resume or warm-up) and ending the role (checkpoint on a signal and exit for requeue, or export, mark the run
+completed and exit). The weight snapshots go through the transport (:mod:`relax_hpc.weights.transport`)."""
 
 from __future__ import annotations
 
 import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,13 @@ from relax_hpc.lifecycle import EXIT_OK, EXIT_REQUEUE, StopFlag
 from relax_hpc.rundir import RunDir
 
 if TYPE_CHECKING:
+    from relax_hpc.algorithms.base import Algorithm
+    from relax_hpc.data.stream import PromptStream
+    from relax_hpc.envs.warmup import EnvWarmupStream
+    from relax_hpc.modes.components import Policy, Tokenizer
+    from relax_hpc.store.consumer import ConsumerGroup
     from relax_hpc.trainer.backend import TrainerBackend
+    from relax_hpc.trainer.session import TrainerSession
 
 
 @dataclass
@@ -32,14 +37,14 @@ class TrainerRole:
     stop: StopFlag
     events: EventLog
     hb: Heartbeat
-    policy: Any
+    policy: Policy
     """The policy model, tokenizer, device and dtype (:func:`relax_hpc.modes.components.build_policy`)."""
-    algorithm: Any
+    algorithm: Algorithm
     trainer: TrainerBackend
     """The trainer backend (:func:`relax_hpc.trainer.backend.make_backend`)."""
-    session: Any
+    session: TrainerSession
     """The :class:`~relax_hpc.trainer.session.TrainerSession` (checkpoints, snapshots, metrics)."""
-    consumer: Any
+    consumer: ConsumerGroup
     """This rank's :class:`~relax_hpc.store.ConsumerGroup` of the sample store."""
     state: dict[str, Any] | None
     """The state JSON of the checkpoint resumed from (None on a fresh start)."""
@@ -92,7 +97,7 @@ def start_trainer_role(run_dir: RunDir, cfg: RecipeConfig, role: str, *, rank: i
                        consumer, state, plan_seq)
 
 
-def make_consumer(run_dir: RunDir, cfg: RecipeConfig, trainer: TrainerBackend) -> Any:
+def make_consumer(run_dir: RunDir, cfg: RecipeConfig, trainer: TrainerBackend) -> ConsumerGroup:
     """This rank's reader of the sample store, laid out by the backend's data-parallel rank and size (ranks of one
     model replica read the same groups); trainer rank 0 leads (plans and commits)."""
     from relax_hpc.store import ConsumerGroup
@@ -101,7 +106,7 @@ def make_consumer(run_dir: RunDir, cfg: RecipeConfig, trainer: TrainerBackend) -
                          leader=trainer.rank == 0, retention=cfg.store.retention, keep_plans=cfg.store.keep_plans)
 
 
-def warmup_stream(cfg: RecipeConfig, tokenizer: Any) -> Any:
+def warmup_stream(cfg: RecipeConfig, tokenizer: Tokenizer) -> PromptStream | EnvWarmupStream:
     """The prompts of the supervised warm-up: the warm-up task's, else the recipe's data (another seed); with
     ``warmup.source: env``, the episode environment's examples on those prompts."""
     from relax_hpc.modes import components as C
@@ -144,45 +149,3 @@ def end_trainer_role(r: TrainerRole, extra_state: Callable[[], dict[str, Any]],
     r.events.event("finished", f"done after {trainer.step} steps", step=trainer.step)
     r.hb.stop("stopped")
     return EXIT_OK
-
-
-class SnapshotFiles:
-    """Writes the weight snapshot files of trainer rank 0 on one background thread, so that the next step does not
-    wait for their fsyncs. Version order is kept: at most one publish is in flight and the next :meth:`submit` waits
-    for it. Rollout workers see a version when its LATEST is written (or earlier over the fast path); the files stay
-    the truth for late joiners and recovery. :meth:`drain` waits for the pending publish and re-raises its error."""
-
-    def __init__(self, session: Any):
-        self.session = session
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot") if session.publisher is not None else None
-        self.pending: Future[None] | None = None
-        self.last_submit = time.monotonic()
-        """When the last version was handed to :meth:`submit` (``time.monotonic()``; creation counts as one)."""
-
-    def submit(self, version: int, state_dict: dict[str, Any], *, private: bool = False) -> None:
-        """Publish ``state_dict`` as ``version`` in the background. ``private``: nothing changes its tensors later
-        (``full_state_dict(copy=True)``, the fast path's packed copy); otherwise the backend copies those that are
-        live weights first."""
-        if self.pool is None:
-            return
-        self.drain()
-        self.last_submit = time.monotonic()
-        sd = state_dict if private else self.session.trainer.detached(state_dict)
-        self.pending = self.pool.submit(self._publish, version, sd)
-
-    def _publish(self, version: int, state_dict: dict[str, Any]) -> None:
-        trainer = self.session.trainer
-        if self.session.publisher.is_new(version):  # never trips over a version already on disk
-            self.session.publisher.publish(state_dict, version=version, step=version,
-                                           model_config=trainer.hf_config(),
-                                           generation_config=trainer.generation_config())
-
-    def drain(self) -> None:
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
-
-    def close(self) -> None:
-        self.drain()
-        if self.pool is not None:
-            self.pool.shutdown()

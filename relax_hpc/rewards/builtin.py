@@ -10,6 +10,8 @@ import re
 import threading
 from typing import Any
 
+from relax_hpc.data.answers import last_boxed
+
 
 def exact_match(response: str, answer: Any, *, ignore_case: bool = False) -> float:
     """1.0 if the response equals the answer after stripping surrounding whitespace (and case with
@@ -18,23 +20,6 @@ def exact_match(response: str, answer: Any, *, ignore_case: bool = False) -> flo
     if ignore_case:
         a, b = a.casefold(), b.casefold()
     return float(a == b)
-
-
-def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``) in ``text``, braces balanced; None if there is none."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j]
-    return None  # unbalanced: the response was cut off inside the box
 
 
 def _gold_text(answer: Any) -> str:

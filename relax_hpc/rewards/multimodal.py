@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from relax_hpc.rewards.builtin import last_boxed
+from relax_hpc.data.answers import last_boxed
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 

@@ -42,10 +42,10 @@ def loop_supported(model: Any) -> bool:
         return False
     if any(getattr(cfg, k, None) is not None for k in ("vision_config", "audio_config", "thinker_config")):
         return False
-    return _cache_kwarg(model) is not None
+    return cache_kwarg(model) is not None
 
 
-def _cache_kwarg(model: Any) -> str | None:
+def cache_kwarg(model: Any) -> str | None:
     """The forward argument that takes the KV cache: ``cache`` (transformers 5) or ``past_key_values``."""
     params = inspect.signature(type(model).forward).parameters
     for name in ("cache", "past_key_values"):
@@ -54,7 +54,7 @@ def _cache_kwarg(model: Any) -> str | None:
     return None
 
 
-def _last_logits_kwarg(model: Any) -> dict[str, int]:
+def last_logits_kwarg(model: Any) -> dict[str, int]:
     """Ask the forward for the last position's logits only, where it takes that argument."""
     params = inspect.signature(type(model).forward).parameters
     for name in ("logits_to_keep", "num_logits_to_keep"):
@@ -63,7 +63,7 @@ def _last_logits_kwarg(model: Any) -> dict[str, int]:
     return {}
 
 
-def _new_cache(model: Any) -> Any:
+def new_cache(model: Any) -> Any:
     from transformers import DynamicCache
 
     try:
@@ -102,14 +102,14 @@ def sample(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
     prompts, width = input_ids.shape
     rows = prompts * n
     dev = input_ids.device
-    cache = _new_cache(model)
-    cache_arg = {_cache_kwarg(model) or "past_key_values": cache}
+    cache = new_cache(model)
+    cache_arg = {cache_kwarg(model) or "past_key_values": cache}
     # the prompt is read once (its KV cache and last logits are then repeated for the n samples): a prompt as long
     # as the responses costs as much to read as all n responses to generate
     positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
     ready = own_masks(model)  # 4-D masks made here, not by the model at every step (models/masks.py)
     out = model(input_ids=input_ids, attention_mask=prompt_mask(attention_mask) if ready else attention_mask,
-                position_ids=positions, use_cache=True, **_last_logits_kwarg(model), **cache_arg)
+                position_ids=positions, use_cache=True, **last_logits_kwarg(model), **cache_arg)
     logits = out.logits[:, -1, :].float()
     if n > 1:
         cache.batch_repeat_interleave(n)

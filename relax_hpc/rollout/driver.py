@@ -34,7 +34,7 @@ from relax_hpc.timing import PhaseTimer
 
 if TYPE_CHECKING:
     from relax_hpc.data.dataset import Prompt
-    from relax_hpc.rewards.runner import RewardResult, RewardScorer
+    from relax_hpc.rollout.scoring import RewardResult, RewardScorer
 
 T = TypeVar("T")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -161,6 +161,12 @@ class RolloutEngine(ABC):
 
     version: int = 0
     """The weight version new tokens are generated with."""
+    shared: bool = False
+    """Capability (colocate): the engine generates with the trainer's own module, so :class:`SharedModule` is a
+    valid weight source (only the version changes). False: weights must be handed over (a copy or a stream)."""
+    threaded: bool = False
+    """Capability: the engine runs its heavy compute on a thread of its own; :meth:`run_on_thread` runs other work
+    there (colocate runs the optimizer step there, so one OS thread's torch pool does the heavy work)."""
 
     @abstractmethod
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -192,6 +198,11 @@ class RolloutEngine(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, servers, GPU memory)."""
+
+    async def run_on_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` where the engine runs its heavy compute, between batches, and return its result: on the
+        engine's own thread when :attr:`threaded`; here by default."""
+        return fn()
 
     def metrics(self) -> dict[str, float]:
         """Counters of the engine for the worker's metrics (server starts, restarts, fallbacks); none by default."""

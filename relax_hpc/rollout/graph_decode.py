@@ -33,12 +33,13 @@ says which.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from relax_hpc.rollout.decode import _cache_kwarg, _last_logits_kwarg, _new_cache, loop_supported, warp
+from relax_hpc.rollout.decode import cache_kwarg, last_logits_kwarg, loop_supported, new_cache, warp
 
 SPAN = 64
 """Granularity (cache columns) of the attention span a captured step reads."""
@@ -108,7 +109,7 @@ class GraphDecoder:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.q_heads = int(cfg.num_attention_heads)
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        self._pre, self._post = _layer_parts(compiled)
+        self._pre, self._post = layer_parts(compiled)
         self.rows = 0
         self.length = 0
         self.graphs: dict[tuple[int, int, int, _Sampling], Any] = {}
@@ -224,7 +225,7 @@ class GraphDecoder:
             self._steps(b, span, n, s)
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        # thread_local: the snapshot thread may wait on a CUDA event meanwhile (weights/handover.py)
+        # thread_local: the snapshot thread may wait on a CUDA event meanwhile (weights/transport/memory.py)
         with torch.cuda.graph(g, pool=self._pool, stream=stream, capture_error_mode="thread_local"):  # recorded
             self._steps(b, span, n, s)
         self.graphs[key] = g
@@ -236,13 +237,13 @@ class GraphDecoder:
         first token drawn from the last logits."""
         model = self.model
         width = input_ids.shape[1]
-        cache = _new_cache(model)
+        cache = new_cache(model)
         positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                    **_last_logits_kwarg(model), **{_cache_kwarg(model) or "past_key_values": cache})
+                    **last_logits_kwarg(model), **{cache_kwarg(model) or "past_key_values": cache})
         logits = out.logits[:, -1, :].float()
         rows = input_ids.shape[0] * n
-        for i, (k, v) in enumerate(_cache_layers(cache)):
+        for i, (k, v) in enumerate(cache_layers(cache)):
             self.k[i][:rows, :, :width] = k.repeat_interleave(n, dim=0)
             self.v[i][:rows, :, :width] = v.repeat_interleave(n, dim=0)
         self.valid[:rows] = False
@@ -328,7 +329,7 @@ def _post_attention(layer: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tenso
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def _layer_parts(compiled: bool) -> tuple[Any, Any]:
+def layer_parts(compiled: bool) -> tuple[Any, Any]:
     """The two halves of a decode layer around the cache writes and the attention: plain, or (``rollout.hf_decoder:
     compiled``) each ``torch.compile``d with dynamic shapes, so their small elementwise kernels (norms, RoPE, residual
     adds, SiLU x up) fuse; the graph capture then records the compiled kernels. A compile failure runs them eagerly."""
@@ -341,7 +342,7 @@ def _layer_parts(compiled: bool) -> tuple[Any, Any]:
             CompiledFn(_post_attention, "rollout.hf_decoder=compiled", state))
 
 
-def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) ``[B, kv_heads, width, head_dim]`` per layer of a transformers dynamic cache."""
     layers = getattr(cache, "layers", None)
     if layers is not None:
@@ -353,10 +354,14 @@ def graph_decoder(owner: Any) -> GraphDecoder | None:
     """The :class:`GraphDecoder` kept on ``owner`` (an engine; its graphs and state live as long as the engine) for
     ``owner.model``, or None where it does not apply (not on CUDA, or a model :func:`supported` refuses)."""
     model = owner.model
-    held = getattr(owner, "_graph_decoder", None)  # (model, decoder or None)
+    held = _DECODERS.get(owner)  # (model, decoder or None)
     if held is None or held[0] is not model:
         p = next(model.parameters(), None)
         ok = p is not None and p.is_cuda and supported(model)
         held = (model, GraphDecoder(model, compiled=getattr(owner, "compile_decode", False)) if ok else None)
-        owner._graph_decoder = held
+        _DECODERS[owner] = held
     return held[1]
+
+
+_DECODERS: weakref.WeakKeyDictionary[Any, tuple[Any, GraphDecoder | None]] = weakref.WeakKeyDictionary()
+"""owner -> (its model, the decoder kept for it): gone with the owner."""

@@ -202,6 +202,11 @@ class HFEngine(RolloutEngine):
             self._thread = threading.Thread(target=target, name="hf-engine", daemon=True)
             self._thread.start()
 
+    @property
+    def uses_loop(self) -> bool:
+        """Whether batches run in the engine's own decode loop (decided at the first batch; False before it)."""
+        return bool(self._loop)
+
     # ------------------------------------------------------------------------------------------ the protocol
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         s = request.sampling

@@ -33,8 +33,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from relax_hpc.rollout.decode import _cache_kwarg, _new_cache
-from relax_hpc.rollout.graph_decode import SPAN, _cache_layers, _layer_parts
+from relax_hpc.rollout.decode import cache_kwarg, new_cache
+from relax_hpc.rollout.graph_decode import SPAN, cache_layers, layer_parts
 
 M32 = 0xFFFFFFFF
 LOW_OCCUPANCY = 0.25
@@ -189,7 +189,7 @@ class SlotPool:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.q_heads = int(cfg.num_attention_heads)
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        self._pre, self._post = _layer_parts(compiled)
+        self._pre, self._post = layer_parts(compiled)
         self.graphs: dict[_Variant, Any] = {}
         self._pool: Any = None
         self._stream: Any = None
@@ -424,12 +424,12 @@ class SlotPool:
         attn = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         dev = self.device
         positions = torch.arange(width, device=dev)[None, :].expand(len(contexts), width)
-        cache = _new_cache(self.model)
-        cache_arg = {_cache_kwarg(self.model) or "past_key_values": cache}
+        cache = new_cache(self.model)
+        cache_arg = {cache_kwarg(self.model) or "past_key_values": cache}
         out = self.inner(input_ids=torch.from_numpy(ids).to(dev), attention_mask=torch.from_numpy(attn).to(dev),
                          position_ids=positions, use_cache=True, **cache_arg)
         last = out.last_hidden_state[torch.arange(len(contexts), device=dev), torch.from_numpy(lengths - 1).to(dev)]
-        return self.model.lm_head(last).float(), _cache_layers(cache)
+        return self.model.lm_head(last).float(), cache_layers(cache)
 
     # ------------------------------------------------------------------ running
     @torch.no_grad()

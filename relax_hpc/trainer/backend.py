@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,15 @@ class TrainerBackend(ABC):
         """The live module an in-process engine may generate with (colocate shares it); None if there is none."""
         return None
 
+    def host_copy_async(self, *, optimizer: bool = False) -> HostCopy | None:
+        """Capability: the live weights (HF names, each storage once) and, with ``optimizer``, the optimizer's full
+        state, copied into pinned host buffers by device-to-host copies enqueued on a side stream after the current
+        step; the next optimizer step waits for them on the device (no host sync). The buffers are kept for the
+        next call of the same kind (weights, or weights and optimizer): consume the previous copy first. Used by
+        the colocate hand-over and background checkpoints. None (the default): the backend has no such copy (CPU,
+        several ranks, a module not under HF names); use :meth:`full_state_dict` / :meth:`checkpoint_state`."""
+        return None
+
     @abstractmethod
     def export_hf(self, path: Path | str, tokenizer: Any) -> None:
         """Write the model as an HF folder (safetensors, config, generation config, tokenizer) to ``path``, which is
@@ -163,6 +173,90 @@ class ShardedCheckpoint(ABC):
         return None
 
 
+@dataclass
+class HostCopy:
+    """Pinned host copies of a backend's live state (:meth:`TrainerBackend.host_copy_async`), valid once
+    :meth:`wait` returned and until the next copy of the same kind."""
+
+    model: dict[str, Tensor]
+    """The weights under HF names, each storage once (tied tensors under their first name)."""
+    aliases: dict[str, str]
+    """Tied name -> the name in :attr:`model` that holds its tensor."""
+    optimizer: dict[str, Any] | None
+    """The full optimizer state (``{"state": {hf_name: {key: value}}, "param_groups": [...]}``), its tensors on
+    the host; None when not asked for."""
+    event: Any
+    """The CUDA event recorded after the copies."""
+
+    def wait(self) -> None:
+        """Block until the copies are done."""
+        self.event.synchronize()
+
+    def weights(self) -> dict[str, Tensor]:
+        """Every weight under its HF name (tied names share the tensor of their first name)."""
+        return {**self.model, **{a: self.model[t] for a, t in self.aliases.items()}}
+
+
+class PinnedCopier:
+    """The machinery of :meth:`TrainerBackend.host_copy_async` for one HF module and its optimizer on one GPU: one
+    side stream, one set of pinned buffers per kind of copy, and one optimizer step pre-hook that makes the next
+    step wait (on the GPU) for every copy enqueued before it."""
+
+    def __init__(self, optimizer: Any):
+        import torch
+
+        self.stream = torch.cuda.Stream()
+        self.buffers: dict[str, dict[str, Any]] = {}
+        self.pending: dict[str, Any] = {}
+        self.hook = optimizer.register_step_pre_hook(self._wait_for_copies)
+
+    def _wait_for_copies(self, *_: Any) -> None:
+        import torch
+
+        for event in self.pending.values():
+            torch.cuda.current_stream().wait_event(event)
+
+    def _to_host(self, cache: dict[str, Any], key: str, v: Any) -> Any:
+        import torch
+
+        v = v.detach()
+        if not v.is_cuda:
+            return v.clone().contiguous()
+        buf = cache.get(key)
+        if buf is None or buf.shape != v.shape or buf.dtype != v.dtype:
+            buf = cache[key] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        buf.copy_(v, non_blocking=True)
+        return buf
+
+    def copy(self, model: Any, optimizer: Any = None) -> HostCopy:
+        """Enqueue the copies of ``model``'s state (and ``optimizer``'s full state, when given)."""
+        import copy as copy_module
+
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        kind = "weights" if optimizer is None else "checkpoint"
+        unique, aliases = dedupe_shared({k: v.detach() for k, v in model.state_dict().items()})
+        osd: dict[str, Any] | None = None if optimizer is None else dict(get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True)))
+        cache = self.buffers.setdefault(kind, {})
+        self.stream.wait_stream(torch.cuda.current_stream())  # after this step's optimizer update
+        host_optim: dict[str, Any] | None = None
+        with torch.cuda.stream(self.stream):
+            host_model = {k: self._to_host(cache, "model." + k, v) for k, v in unique.items()}
+            if osd is not None:
+                state = {p: {k: self._to_host(cache, f"optim.{p}::{k}", v) if isinstance(v, torch.Tensor) else v
+                             for k, v in st.items()} for p, st in osd["state"].items()}
+                host_optim = {"state": state, "param_groups": copy_module.deepcopy(osd["param_groups"])}
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.pending[kind] = event
+        return HostCopy(host_model, aliases, host_optim, event)
+
+    def close(self) -> None:
+        self.hook.remove()
+
+
 BACKENDS: dict[str, str] = {
     "torch": "relax_hpc.trainer.torch_trainer",
     "megatron": "relax_hpc.trainer.megatron.backend",
@@ -184,6 +278,21 @@ def bucketed(tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[
         size += n
     if bucket:
         yield bucket
+
+
+def dedupe_shared(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Drop tensors that share storage with an earlier one (tied embeddings); return (tensors, alias -> name)."""
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    out: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    for name, t in sd.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        out[name] = t
+    return out, aliases
 
 
 def hf_module_on_one_gpu(trainer: Any) -> bool:

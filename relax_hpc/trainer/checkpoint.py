@@ -33,6 +33,7 @@ import numpy as np
 
 from relax_hpc.fsio import atomic_write_text, is_complete, read_json, remove_debris, staged_dir
 from relax_hpc.rundir import RunDir
+from relax_hpc.trainer.backend import dedupe_shared
 
 if TYPE_CHECKING:
     from relax_hpc.trainer.backend import ShardedCheckpoint
@@ -86,21 +87,6 @@ def unflatten_optimizer(tensors: dict[str, Any], groups: list[dict[str, Any]]) -
         pname, _, k = key.rpartition("::")
         state.setdefault(pname, {})[k] = t
     return {"state": state, "param_groups": groups}
-
-
-def dedupe_shared(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Drop tensors that share storage with an earlier one (tied embeddings); return (tensors, alias -> name)."""
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
-    out: dict[str, Any] = {}
-    aliases: dict[str, str] = {}
-    for name, t in sd.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if t.numel() and key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        out[name] = t
-    return out, aliases
 
 
 @dataclass

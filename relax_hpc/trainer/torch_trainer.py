@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
-from relax_hpc.trainer.backend import TrainerBackend
+from relax_hpc.trainer.backend import HostCopy, PinnedCopier, TrainerBackend, hf_module_on_one_gpu
 from relax_hpc.trainer.batch import DEFAULT_ATTN_SCALE, MicroBatch, TrainItem, pack, response_logits
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ class TorchBackend(TrainerBackend):
         self.temperature = temp if temp > 0 else 1.0
         self.step = 0
         self._keys: list[str] | None = None
-        self._compiled = _compiled_layers(self.model, cfg, device)
+        self.compiled_ctx = compiled_layers(self.model, cfg, device)
+        self._copier: PinnedCopier | None = None
         self.begin_step()
 
     # ------------------------------------------------------------------ forward
@@ -124,14 +125,14 @@ class TorchBackend(TrainerBackend):
         mbs = pack(items, cfg.trainer.micro_batch_tokens, device=self.device, rows=self._use_rows(items),
                    attn_scale=6.0 * hidden if hidden else DEFAULT_ATTN_SCALE,
                    pack_multimodal=MRope.of(self.model) is not None)
-        with self._compiled():
+        with self.compiled_ctx():
             olds = self._old_logprobs(mbs)
         refs = self._aux_logprobs(self.ref_model, mbs) if cfg.algorithm.kl_coef > 0 and self.ref_model else None
         teach = self._aux_logprobs(self.teacher, mbs) if self.teacher is not None else None
 
         def loss_of(k: int, mb: MicroBatch) -> Any:
             """Micro-batch ``k``'s loss; its detached inputs are kept for the step's metrics."""
-            with self._compiled():
+            with self.compiled_ctx():
                 x = self._loss_inputs(mb, olds[k], refs[k] if refs else None, teach[k] if teach else None)
             loss, _ = self.algorithm.loss(x, cfg.algorithm)
             self._unit_losses.append(loss.detach())
@@ -221,7 +222,7 @@ class TorchBackend(TrainerBackend):
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         metrics = self._step_metrics(n_tok, n_seq)
-        _check_one_normaliser(self.algorithm, metrics[_LOSS], unit_loss / divisor)
+        check_one_normaliser(self.algorithm, metrics[_LOSS], unit_loss / divisor)
         metrics.update({"train/grad_norm": grad_norm_f, "train/lr": lr, "train/num_micro_batches": float(self._n_mb),
                         "train/tokens": float(self._tokens),
                         "train/padding_fraction": 1.0 - self._tokens / self._slots if self._slots else 0.0,
@@ -359,6 +360,14 @@ class TorchBackend(TrainerBackend):
     def generation_model(self) -> Any:
         return self.model
 
+    def host_copy_async(self, *, optimizer: bool = False) -> HostCopy | None:
+        """One GPU rank training the HF module itself: pinned copies on a side stream (:class:`PinnedCopier`)."""
+        if not hf_module_on_one_gpu(self):
+            return None
+        if self._copier is None:
+            self._copier = PinnedCopier(self.optimizer)
+        return self._copier.copy(self.model, self.optimizer if optimizer else None)
+
     def export_hf(self, path: Path | str, tokenizer: Any) -> None:
         sd = self.full_state_dict()
         if self.rank != 0:
@@ -402,7 +411,7 @@ TorchTrainer = TorchBackend
 """The round-1 name of :class:`TorchBackend`."""
 
 
-def _compiled_layers(model: Any, cfg: RecipeConfig, device: str) -> Any:
+def compiled_layers(model: Any, cfg: RecipeConfig, device: str) -> Any:
     """The context the training forward runs in: compiled decoder layers with ``trainer.compile_layers`` on a GPU
     (models/compiled.py), else nothing."""
     import contextlib
@@ -414,7 +423,7 @@ def _compiled_layers(model: Any, cfg: RecipeConfig, device: str) -> Any:
     return CompiledLayers(model).active
 
 
-def _check_one_normaliser(algorithm: Any, loss: float, deferred: float) -> None:
+def check_one_normaliser(algorithm: Any, loss: float, deferred: float) -> None:
     """The deferred normalisation (normaliser 1, the gradient divided afterwards) is exact only for a loss whose
     every term is divided by the ``loss_agg`` normaliser; an algorithm that mixes in another one is refused."""
     if math.isfinite(loss) and abs(loss - deferred) > 1e-4 * max(1.0, abs(loss)):

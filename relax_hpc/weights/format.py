@@ -52,8 +52,9 @@ def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     for tname, sname in _DTYPE_NAMES.items():
-        if sname == name and hasattr(torch, tname):
-            return getattr(torch, tname)
+        dtype = vars(torch).get(tname) if sname == name else None  # float8 types exist in newer torch only
+        if isinstance(dtype, torch.dtype):
+            return dtype
     raise SnapshotError(f"unknown tensor dtype {name!r}")
 
 

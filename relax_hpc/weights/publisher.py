@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from relax_hpc.errors import RunDirError, SnapshotError, WaitTimeout
 from relax_hpc.fsio import (
     COMPLETE_MARKER,
-    _describe_oserror,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
     fsync_dir,
     is_complete,
+    oserror_message,
     read_json,
     remove_debris,
     staged_dir,
@@ -120,7 +120,7 @@ class SnapshotPublisher:
             for folder in (self.rd.weights, self.rd.weight_leases, self.rd.weight_pins):
                 folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise RunDirError(_describe_oserror(exc, self.rd.weights)) from exc
+            raise RunDirError(oserror_message(exc, self.rd.weights)) from exc
 
     # ------------------------------------------------------------------ public API
     def next_version(self) -> int:
@@ -183,7 +183,7 @@ class SnapshotPublisher:
         try:
             staging.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise RunDirError(_describe_oserror(exc, staging)) from exc
+            raise RunDirError(oserror_message(exc, staging)) from exc
         meta = _part_meta(staging, rank)
         meta.unlink(missing_ok=True)  # a stale part of this rank must not count while we rewrite it
         files, index = self._write(staging, items, rank=rank, world_size=world_size, shards=shards)
@@ -289,7 +289,7 @@ class SnapshotPublisher:
                     os.replace(tmp, path)
                 except OSError as exc:
                     tmp.unlink(missing_ok=True)
-                    raise RunDirError(_describe_oserror(exc, path)) from exc
+                    raise RunDirError(oserror_message(exc, path)) from exc
                 synced.append((path, flusher.submit(_fsync, path)))
                 streams.append(stream)
                 files.append({"name": path.name, "bytes": nbytes, "tensors": [k for k, _ in group]})
@@ -297,7 +297,7 @@ class SnapshotPublisher:
                 try:
                     done.result()
                 except OSError as exc:
-                    raise RunDirError(_describe_oserror(exc, path)) from exc
+                    raise RunDirError(oserror_message(exc, path)) from exc
             digests = hasher.finish()
         for entry, stream in zip(files, streams, strict=True):
             entry["sha256"] = digests[stream]
@@ -383,7 +383,7 @@ class SnapshotPublisher:
         try:
             os.rename(staging, final)
         except OSError as exc:
-            raise RunDirError(_describe_oserror(exc, final)) from exc
+            raise RunDirError(oserror_message(exc, final)) from exc
         fsync_dir(final.parent)
 
     def _finish(self, version: int, step: int, manifest: dict[str, Any], t0: float) -> None:

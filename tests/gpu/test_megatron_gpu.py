@@ -89,7 +89,7 @@ def test_compiled_layers_train_like_the_eager_ones() -> None:
         me, mc = eager.train_step(copy.deepcopy(items)), compiled.train_step(copy.deepcopy(items))
         assert mc["train/loss"] == pytest.approx(me["train/loss"], rel=2e-2, abs=1e-3)
         assert mc["train/grad_norm"] == pytest.approx(me["train/grad_norm"], rel=5e-2)
-    assert not compiled._compiled.__self__.failed
+    assert not compiled.compiled_ctx.__self__.failed
 
 
 def test_distributed_optimizer_in_bfloat16_steps_and_resumes_bitwise(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """The server fast path wired through a real run: mode fully_async with ``rollout.engine: sglang`` and
-``rollout.server.weight_sync: distributed``. Trainer rank 0 (its own process) broadcasts every new version over gloo
+``weights.transport: {kind: server}``. Trainer rank 0 (its own process) broadcasts every new version over gloo
 into the rollout worker's server (``relax_hpc/weights/server_links.py``): the worker asks over the link's control
 store, its engine calls ``/init_weights_update_group`` once and ``/update_weights_from_distributed`` per bucket.
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration]
 
 STANDIN = Path(__file__).parents[1] / "helpers" / "sglang_standin.py"
 SETS = ["mode=fully_async", "rollout.engine=sglang", "rollout.device=cpu", "rollout.num_workers=1",
-        f"rollout.server.command={sys.executable} {STANDIN}", "rollout.server.weight_sync=distributed",
+        f"rollout.server.command={sys.executable} {STANDIN}", "weights.transport.kind=server",
         "rollout.server.sync_timeout_s=60", "model.tiny.tie_embeddings=false", "warmup.steps=2", "num_steps=12",
         "rollout.prompts_per_step=4", "rollout.batch_prompts=4", "rollout.n_samples=4"]
 

@@ -274,11 +274,11 @@ def test_sbatch_rejection_is_one_line(runs: Callable[..., Any], standin: str) ->
 def test_separate_second_rejection_cancels_the_first(runs: Callable[..., Any], standin: str) -> None:
     rd, cfg = runs(mode="fully_async", launch__placement="separate",
                    launch__rollout__partition="nosuchpartition")
-    before = set(slurm_cli._run(["squeue", "-h", "-o", "%i"]).stdout.split())
+    before = set(slurm_cli.run_slurm(["squeue", "-h", "-o", "%i"]).stdout.split())
     with pytest.raises(UserError, match=r"sbatch rejected rollout-0-1\.sbatch"):
         launch(rd, cfg, python=standin)
     time.sleep(0.5)
-    q = slurm_cli._run(["squeue", "-h", "-o", "%i|%j|%T"]).stdout.splitlines()
+    q = slurm_cli.run_slurm(["squeue", "-h", "-o", "%i|%j|%T"]).stdout.splitlines()
     ours = [line for line in q if line.split("|")[0] not in before and line.split("|")[1] == "t-trainer"]
     assert all(line.endswith("CANCELLED") or "COMPLET" in line for line in ours), ours
 

@@ -1,5 +1,6 @@
-"""Weight hand-over (weights/handover.py) and background GPU checkpoints (trainer/gpu_checkpoint.py) through
-the real SnapshotFiles and publisher: on the CPU the plain path (the snapshot holds the weights of the version handed
+"""Background snapshots of the ``memory`` transport (weights/transport/memory.py) and background GPU checkpoints
+(trainer/gpu_checkpoint.py), both over the backend's one asynchronous host copy, through the real SnapshotFiles and
+publisher: on the CPU the plain path (the snapshot holds the weights of the version handed
 over); on a GPU (marked ``gpu``) the pinned copy on a side stream: the snapshot holds the version's weights even though
 the next optimizer step runs right after, a version is skipped while a write is running, a final one always lands."""
 
@@ -13,16 +14,16 @@ import torch
 
 from relax_hpc.rundir import RunDir
 from relax_hpc.weights import SnapshotPublisher, latest_version
-from relax_hpc.weights.handover import hand_over
 from relax_hpc.weights.reader import load_snapshot
+from relax_hpc.weights.transport.memory import BackgroundSnapshots
 
 
 def setup(tmp_path, device: str):
     """The real torch backend (tiny Qwen3) and the real SnapshotFiles/publisher."""
     from relax_hpc.algorithms.registry import get_algorithm
     from relax_hpc.models.tiny import build_digits_tokenizer, build_tiny_model
-    from relax_hpc.modes.trainer_role import SnapshotFiles
     from relax_hpc.trainer.backend import make_backend
+    from relax_hpc.weights.transport.files import SnapshotFiles
     from tests.helpers.backend_conformance import make_cfg
 
     cfg = make_cfg(trainer={"device": device})
@@ -48,8 +49,11 @@ def snapshot(rd: RunDir, version: int) -> dict[str, torch.Tensor]:
 
 def test_cpu_hand_over_publishes_the_version(tmp_path) -> None:
     model, opt, rd, trainer, files = setup(tmp_path, "cpu")
+    assert trainer.host_copy_async() is None  # the CPU has no asynchronous host copy: a synchronous one
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    hand_over(files, trainer, 1)
+    snaps = BackgroundSnapshots(files)
+    assert snaps.publish(1)
+    assert snaps.async_copy is False
     train_once(model, opt)  # the weights move on; the snapshot must not
     files.close()
     got = snapshot(rd, 1)
@@ -62,10 +66,12 @@ def test_cpu_hand_over_publishes_the_version(tmp_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_hand_over_in_the_background(tmp_path) -> None:
-    model, opt, rd, trainer, files = setup(tmp_path, "cuda")
+    model, opt, rd, _, files = setup(tmp_path, "cuda")
     train_once(model, opt)
     want = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    hand_over(files, trainer, 1)
+    snaps = BackgroundSnapshots(files)
+    snaps.publish(1)
+    assert snaps.async_copy is True
     train_once(model, opt)  # queued right behind the copy: the pre-hook orders it after
     moved = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     files.drain()
@@ -76,11 +82,11 @@ def test_gpu_hand_over_in_the_background(tmp_path) -> None:
     # a write still running: the next non-final version is skipped, a final one waits and lands
     gate = threading.Event()
     files.pending = files.pool.submit(gate.wait, 30)
-    hand_over(files, trainer, 2)
-    assert files._handover.skipped == 1
+    assert not snaps.publish(2)
+    assert snaps.skipped == 1
     threading.Timer(0.5, gate.set).start()
     want3 = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    hand_over(files, trainer, 3, final=True)
+    assert snaps.publish(3, final=True)
     files.close()
     assert latest_version(rd) == 3 and not rd.snapshot(2).exists()
     got3 = snapshot(rd, 3)

@@ -87,9 +87,9 @@ def test_trainer_published_snapshot_is_an_hf_folder(tmp_path: Path) -> None:
     from relax_hpc.algorithms.registry import get_algorithm
     from relax_hpc.config.load import validate_dict
     from relax_hpc.events import EventLog
-    from relax_hpc.modes.trainer_role import SnapshotFiles
     from relax_hpc.trainer.backend import make_backend
     from relax_hpc.trainer.session import TrainerSession
+    from relax_hpc.weights.transport.files import SnapshotFiles
 
     cfg = validate_dict({"data": {"task": {"name": "reverse_digits"}}, "model": {"path": "tiny"}})
     model = tiny()

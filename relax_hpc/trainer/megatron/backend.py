@@ -83,7 +83,7 @@ from relax_hpc.trainer.megatron.mapping import (
     megatron_stage_to_hf,
     stage_layers,
 )
-from relax_hpc.trainer.torch_trainer import TorchBackend, _check_one_normaliser, _compiled_layers
+from relax_hpc.trainer.torch_trainer import TorchBackend, check_one_normaliser, compiled_layers
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class MegatronBackend(TorchBackend):
         else:
             self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=tuple(t.betas),
                                                weight_decay=t.weight_decay, foreach=False)
-        self._compiled = _compiled_layers(self.gpt, cfg, device)  # megatron's TransformerLayers, as HF's
+        self.compiled_ctx = compiled_layers(self.gpt, cfg, device)  # megatron's TransformerLayers, as HF's
         if rank == 0:
             log.info("megatron backend: tp=%d pp=%d dp=%d, %s on %s, %s", mc.tp, mc.pp, self.dp_size,
                      str(dtype).removeprefix("torch."), device,
@@ -363,10 +363,10 @@ class MegatronBackend(TorchBackend):
             for row in input_ids:
                 pos = torch.arange(row.numel(), device=row.device)[None]
                 out = self.model(input_ids=row[None], position_ids=pos, attention_mask=None)[0]
-                rows.append(self._gather_vocab(out)[:, : self.shape.vocab_size])
+                rows.append(self.gather_vocab(out)[:, : self.shape.vocab_size])
         return torch.stack(rows)
 
-    def _gather_vocab(self, t: Any) -> Any:
+    def gather_vocab(self, t: Any) -> Any:
         import torch
         import torch.distributed as dist
 
@@ -397,7 +397,7 @@ class MegatronBackend(TorchBackend):
         grad_norm = self._apply_gradient(self.optimizer, divisor)
         self.step += 1
         metrics = self._step_metrics(n["tok"], n["seq"])
-        _check_one_normaliser(self.algorithm, metrics["train/loss"], n["loss"] / divisor)
+        check_one_normaliser(self.algorithm, metrics["train/loss"], n["loss"] / divisor)
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/num_micro_batches": float(self._n_mb),
                         "train/tokens": float(self._tokens),
                         "train/padding_fraction": 1.0 - self._tokens / self._slots if self._slots else 0.0,

@@ -341,7 +341,7 @@ def train(backend: MegatronBackend, mbs: Sequence[MicroBatch], loss_of: Callable
         with _input(backend, inp):
             if stage.last:
                 return loss_of(k, mbs[k])
-            with backend._compiled():
+            with backend.compiled_ctx():
                 return _hidden(backend, mbs[k])
 
     one_f_one_b(stage, [_shape(backend, mb.input_ids.shape[1]) for mb in mbs], backend.dtype, run)
@@ -373,7 +373,7 @@ def logits(backend: MegatronBackend, input_ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(length, device=input_ids.device)[None]
         with _input(backend, inp):
             out = backend.model(input_ids=input_ids[k][None], position_ids=pos, attention_mask=None)
-        return backend._gather_vocab(out[0])[:, : backend.shape.vocab_size] if stage.last else out
+        return backend.gather_vocab(out[0])[:, : backend.shape.vocab_size] if stage.last else out
 
     with torch.no_grad():
         outs = forward_only(stage, [_shape(backend, length)] * rows, backend.dtype, run)

@@ -1,0 +1,140 @@
+"""The ``files`` transport, and the snapshot writer every transport shares.
+
+:class:`SnapshotFiles` writes the weight snapshot files of trainer rank 0 on one background thread, so that the next
+step does not wait for their fsyncs. Rollout workers see a version when its LATEST is written (or earlier over a
+fast path); the files stay the truth for late joiners and recovery.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from relax_hpc.weights.transport.base import WeightReceiver, WeightSender
+
+if TYPE_CHECKING:
+    from relax_hpc.events import EventLog
+    from relax_hpc.rollout.weight_sync import WeightSync
+    from relax_hpc.trainer.session import TrainerSession
+
+
+class SnapshotFiles:
+    """Publishes snapshot files on one background thread, in version order: at most one publish is in flight and
+    the next :meth:`submit` waits for it. :meth:`drain` waits for the pending publish and re-raises its error."""
+
+    def __init__(self, session: TrainerSession):
+        self.session = session
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot") if session.publisher is not None else None
+        self.pending: Future[None] | None = None
+        self.last_submit = time.monotonic()
+        """When the last version was handed to :meth:`submit` (``time.monotonic()``; creation counts as one)."""
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the files (trainer rank 0)."""
+        return self.pool is not None
+
+    def busy(self) -> bool:
+        """Whether a publish is still running."""
+        return self.pending is not None and not self.pending.done()
+
+    def submit(self, version: int, state_dict: dict[str, Any], *, private: bool = False,
+               ready: Callable[[], None] | None = None) -> None:
+        """Publish ``state_dict`` as ``version`` in the background. ``private``: nothing changes its tensors later
+        (``full_state_dict(copy=True)``, a fast path's packed copy, a host copy); otherwise the backend copies those
+        that are live weights first. ``ready``: called on the writing thread first (waits for an async copy)."""
+        if self.pool is None:
+            return
+        self.drain()
+        self.last_submit = time.monotonic()
+        sd = state_dict if private else self.session.trainer.detached(state_dict)
+        self.pending = self.pool.submit(self._publish, version, sd, ready)
+
+    def _publish(self, version: int, state_dict: dict[str, Any], ready: Callable[[], None] | None) -> None:
+        if ready is not None:
+            ready()
+        trainer, publisher = self.session.trainer, self.session.publisher
+        assert publisher is not None
+        if publisher.is_new(version):  # never trips over a version already on disk
+            publisher.publish(state_dict, version=version, step=version, model_config=trainer.hf_config(),
+                              generation_config=trainer.generation_config())
+
+    def drain(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.drain()
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+class FilesSender(WeightSender):
+    """Every published version as snapshot files (every ``publish_every`` steps and the last)."""
+
+    kind = "files"
+
+    def __init__(self, files: SnapshotFiles, *, publish_every: int):
+        self.files = files
+        self.trainer = files.session.trainer
+        self.publish_every = publish_every
+
+    def due(self, version: int, final: bool) -> bool:
+        return final or version % self.publish_every == 0
+
+    def send(self, version: int, *, final: bool = False) -> None:
+        if self.due(version, final):
+            self.files.submit(version, self.trainer.full_state_dict(copy=True), private=True)
+
+    def close(self) -> None:
+        self.files.close()
+
+
+class SyncReceiver(WeightReceiver):
+    """A receiver over :class:`~relax_hpc.rollout.weight_sync.WeightSync` (files, and its fast path if it has
+    one): a fast path that worked and fails now is logged as event ``weight_fallback`` (the files are used), its
+    return as ``weight_fast_path_back``."""
+
+    def __init__(self, kind: str, sync: WeightSync, events: EventLog | None = None):
+        self.kind = kind
+        self.sync = sync
+        self.events = events
+        self.fast = sync.fast is not None
+        self.up = False
+        """Whether the last use of the fast path worked."""
+
+    def newest(self) -> int | None:
+        return self.sync.newest()
+
+    def _note(self, ok: bool, newest: int | None) -> None:
+        if ok == self.up:
+            return
+        self.up = ok
+        if self.events is None:
+            return
+        if ok:
+            self.events.event("weight_fast_path_back", f"weights.transport={self.kind}: new weights over its link")
+        else:
+            self.events.event("weight_fallback", f"weights.transport={self.kind}: no usable link; new weights come "
+                              f"from the snapshot files (newest v{newest})", level="warning")
+
+    async def pull(self) -> int | None:
+        if not self.fast:
+            return None
+        got = await self.sync.pull_fast()
+        self._note(got is not None, self.newest())
+        return got
+
+    async def update(self, *, files_first: bool) -> tuple[int, str]:
+        newest = self.newest()
+        if not files_first and self.fast:
+            got = await self.pull()
+            if got is not None and newest is not None and got >= newest:
+                return got, "fast"
+        return await self.sync.load_files(), "file"
+
+    def close(self) -> None:
+        self.sync.close()
