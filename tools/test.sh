@@ -41,7 +41,7 @@ if [ "$(id -u)" = 0 ] && [ "${RELAX_NO_NETFS:-0}" != 1 ]; then
   bash tools/netfs.sh start
 fi
 # Workers: pytest-xdist, RELAX_TEST_WORKERS of them (3 by default: most of the suite waits on processes, servers and
-# Slurm jobs, so three keep two cores busy); tests/conftest.py keeps a module's tests on one worker and the slurm and
+# Slurm jobs, so three keep two cores busy); tests/slurm/conftest.py keeps a module's tests on one worker and the slurm and
 # netfs tiers together on one. RELAX_TEST_WORKERS=0, or a -n of your own, turns that off.
 W=${RELAX_TEST_WORKERS:-3}
 XDIST=()

@@ -53,7 +53,7 @@ SETTINGS = ["mode=fully_async", "warmup.steps=0", "rollout.num_workers=2", "roll
 """The demo made tiny (4 prompts x 4 samples a step, checkpoint every 2 steps), keeping every shard and plan for
 the audit; restarts soon and often. The weights go through the snapshot files only: re-forming the fast path's
 process group after each kill costs seconds of this tier's budget (the fast path's own recovery is tested in
-tests/test_fastpath.py)."""
+tests/unit/test_fastpath.py)."""
 _MODE = roles.MODES["fully_async"]
 TRAINER_PROC = proc_name(_MODE.main.name, 0)
 ROLE_PROCS = (TRAINER_PROC, *(proc_name(r.name, k) for r in _MODE.roles if r is not _MODE.main for k in range(2)))

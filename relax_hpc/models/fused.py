@@ -5,7 +5,7 @@ mean, rsqrt, two multiplies, downcast); a Qwen3 layer has four of them, which ma
 share of a training step and of a decode step on the GPU (``bench step --profile``). :func:`fuse_rms_norms` points
 their forward at ``torch.nn.functional.rms_norm`` (one fused kernel forward and backward on CUDA): the same
 normalisation computed in float32; the weight is applied before the cast to the model's dtype instead of after
-(one bf16 rounding less), so float32 results are identical up to rounding (tests/test_fused.py).
+(one bf16 rounding less), so float32 results are identical up to rounding (tests/unit/test_fused.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ trainer's own module: only the version changes). Loading weights is the engine's
 holds no model.
 
 Implementations register in :func:`make_engine` (one dispatch on ``rollout.engine``) and must pass the conformance
-suite in ``tests/engine_conformance.py``.
+suite in ``tests/helpers/engine_conformance.py``.
 """
 
 from __future__ import annotations

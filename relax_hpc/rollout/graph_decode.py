@@ -21,7 +21,7 @@ same speed). Here:
 
 On the CPU there are no graphs and, by default, no compaction: every step runs eagerly over all rows and draws with
 ``torch.multinomial`` exactly as the plain loop, so for the same seed it samples the same tokens (the model's
-decoder layers are computed with the same modules; tests/test_graph_decode.py). On CUDA the draw is
+decoder layers are computed with the same modules; tests/unit/test_graph_decode.py). On CUDA the draw is
 ``argmax(p / Exp(1))`` (what ``torch.multinomial`` does for one sample, written out so it is captured with the
 graph's RNG offsets): the same distribution.
 

@@ -19,7 +19,7 @@ under HF names to rank 0 (the project's format: loads in any backend, at any par
 
 A new backend plugs in as one module (or package) with a class implementing this ABC and a ``build(cfg, **kw)``
 function, a ``trainer.backend`` value in the schema (and its own config section), and one entry in
-:data:`BACKENDS`; the conformance suite ``tests/backend_conformance.py`` checks it.
+:data:`BACKENDS`; the conformance suite ``tests/helpers/backend_conformance.py`` checks it.
 """
 
 from __future__ import annotations

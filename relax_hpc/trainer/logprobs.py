@@ -10,7 +10,7 @@ keeps only the hidden states, the targets and the log-sum-exp per token; the bac
 and turns the incoming gradients into the hidden-state and head-weight gradients chunk by chunk. Peak extra memory is
 a few ``[chunk, V]`` float32 tensors whatever T is. Values and gradients are those of the plain computation
 (the logits are computed in the model's dtype and upcast to float32, as the plain path does; float32 on the CPU
-agrees to ~1e-6, see ``tests/test_logprobs.py``).
+agrees to ~1e-6, see ``tests/unit/test_logprobs.py``).
 
 :func:`response_logprobs` is the trainer's entry point: the decoder's hidden states at the positions that predict
 the response tokens (``model.model``), then the chunked head, for plain causal LMs on one rank; anything else

@@ -3,9 +3,9 @@ model and the built-in digits tokenizer, episodes through the rollout driver's m
 torch trainer.
 Prints the success rate (greedy, held-out prompts) and the tool-call rate before and after. A diagnostic beside
 the real pipeline (``relax-hpc submit`` of the recipe, whose warm-up is the environment's ``warmup_examples`` hook:
-tests/test_envs_learning.py): this loop adds greedy evaluation on held-out prompts.
+tests/integration/test_envs_learning.py): this loop adds greedy evaluation on held-out prompts.
 
-    python tests/agentic_learning.py --steps 300
+    python tests/helpers/agentic_learning.py --steps 300
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A rollout worker process for the kill/resume test: runs groups of episodes of the tiny digit-lookup recipe and
 writes each group as one shard; on start it resumes after the groups it already published (its shards on disk).
 
-    python tests/agentic_worker.py RUN_DIR WRITER_ID NUM_GROUPS
+    python tests/helpers/agentic_worker.py RUN_DIR WRITER_ID NUM_GROUPS
 """
 
 from __future__ import annotations

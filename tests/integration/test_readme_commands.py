@@ -42,7 +42,7 @@ NOT_RUN = {
     "bash tools/test.sh -x -q": "the test suite itself (CI's .ci/run)",
     'python -m pytest -m "not slurm and not integration"': "the test suite itself",
     "ruff check .": "CI's lint (ruff check relax_hpc tests tools)",
-    "relax-hpc bench store --json": "a benchmark; tests/test_store_bench.py runs it at small sizes",
+    "relax-hpc bench store --json": "a benchmark; tests/unit/test_store_bench.py runs it at small sizes",
     "git clone <this repository> relax-hpc && cd relax-hpc": "network",
     "python3 -m venv /shared/envs/relax && source /shared/envs/relax/bin/activate": "a cluster's shared folder",
     "pip install torch --index-url https://download.pytorch.org/whl/cu128": "network, CUDA",
