@@ -18,11 +18,10 @@ the engine's decode metrics at every weight hand-over (one window per training s
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -199,26 +198,18 @@ class LengthMixEngine(RolloutEngine):
         return self.inner.weight_template()
 
 
-@contextlib.contextmanager
-def engines_with_lengths(law: LengthLaw) -> Iterator[list[LengthMixEngine]]:
-    """While open, the engines the run's components build (``modes.components.build_engine``) in this process are
-    wrapped in :class:`LengthMixEngine`; yields the list of them. For ``bench step``, which runs the colocate loop
-    in its own process."""
-    from relax_hpc.modes import components
+class LengthMixWrapper:
+    """Wraps each engine it is given in :class:`LengthMixEngine` and keeps them (``run_colocate(wrap_engine=...)``,
+    for ``bench step``, which runs the colocate loop in its own process)."""
 
-    real = components.build_engine
-    made: list[LengthMixEngine] = []
+    def __init__(self, law: LengthLaw):
+        self.law = law
+        self.engines: list[LengthMixEngine] = []
 
-    def build(*args: Any, **kwargs: Any) -> Any:
-        engine = LengthMixEngine(real(*args, **kwargs), law)
-        made.append(engine)
-        return engine
-
-    components.build_engine = build  # type: ignore[assignment]
-    try:
-        yield made
-    finally:
-        components.build_engine = real  # type: ignore[assignment]
+    def __call__(self, engine: Any) -> Any:
+        wrapped = LengthMixEngine(engine, self.law)
+        self.engines.append(wrapped)
+        return wrapped
 
 
 def occupancy(windows: Sequence[Mapping[str, float]]) -> dict[str, float]:

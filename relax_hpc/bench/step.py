@@ -120,7 +120,7 @@ def run_loop(rec: dict[str, Any], root: Path, law: Any = None) -> tuple[list[dic
     import yaml
 
     from relax_hpc.bench.common import read_records
-    from relax_hpc.bench.lengths import Uniform, engines_with_lengths
+    from relax_hpc.bench.lengths import LengthMixWrapper, Uniform
     from relax_hpc.cli.submit import prepare_run_dir
     from relax_hpc.modes.colocate import run_colocate
 
@@ -130,8 +130,9 @@ def run_loop(rec: dict[str, Any], root: Path, law: Any = None) -> tuple[list[dic
     cuda = torch.cuda.is_available() and cfg.trainer.device == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    with engines_with_lengths(law or Uniform(cfg.rollout.sampling.max_new_tokens)) as engines:
-        code = run_colocate(run_dir, cfg)
+    wrap = LengthMixWrapper(law or Uniform(cfg.rollout.sampling.max_new_tokens))
+    code = run_colocate(run_dir, cfg, wrap_engine=wrap)
+    engines = wrap.engines
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
     if code != 0:
         raise RuntimeError(f"the colocate loop exited with {code}; logs: {run_dir.logs}")

@@ -14,11 +14,15 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.rundir import RunDir
 from relax_hpc.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from relax_hpc.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +34,11 @@ PHASE_METRICS = {  # phase of the step timer -> metric
 }
 
 
-def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_size: int = 1) -> int:
-    """Run the whole colocate loop in this process. Returns an exit code (0 done, 3 checkpointed on a signal)."""
-    loop = Colocate(run_dir, cfg, rank=rank, world_size=world_size)
+def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_size: int = 1,
+                 wrap_engine: Callable[[RolloutEngine], RolloutEngine] | None = None) -> int:
+    """Run the whole colocate loop in this process. Returns an exit code (0 done, 3 checkpointed on a signal).
+    ``wrap_engine``: applied to the engine the loop builds (a length mix: :mod:`relax_hpc.bench.lengths`)."""
+    loop = Colocate(run_dir, cfg, rank=rank, world_size=world_size, wrap_engine=wrap_engine)
     try:
         while loop.trainer.step < cfg.num_steps and not loop.role.stop.is_set:
             loop.step()
@@ -44,7 +50,8 @@ def run_colocate(run_dir: RunDir, cfg: RecipeConfig, *, rank: int = 0, world_siz
 class Colocate:
     """The state of one colocate rank between steps."""
 
-    def __init__(self, run_dir: RunDir, cfg: RecipeConfig, *, rank: int, world_size: int):
+    def __init__(self, run_dir: RunDir, cfg: RecipeConfig, *, rank: int, world_size: int,
+                 wrap_engine: Callable[[RolloutEngine], RolloutEngine] | None = None):
         from relax_hpc.modes import components as C
         from relax_hpc.modes.trainer_role import start_trainer_role
         from relax_hpc.rollout.driver import RolloutDriver
@@ -60,6 +67,8 @@ class Colocate:
         self.trainer.state_on_every_rank = shared is None  # each rank's own engine model receives the whole state
         self.engine = C.build_engine(cfg, tok, seed=cfg.seed + rank, model=shared,
                                      device=r.policy.device if shared is not None else None)
+        if wrap_engine is not None:
+            self.engine = wrap_engine(self.engine)
         if self.engine.threaded:
             import torch
 

@@ -4,7 +4,8 @@ the version comes from the snapshot files and the event log says so (event ``wei
 
 Real parts throughout: the torch backend on the tiny model, the real publisher and snapshot files, a real ``hf``
 engine holding its own model, real gloo links between the trainer (its own process, killed to break the link) and
-the worker's receiver in this process; for the ``server`` transport the SGLang stand-in (``tests/helpers/sglang_standin.py``:
+the worker's receiver in this process; for the ``server`` transport the SGLang stand-in
+(``tests/helpers/sglang_standin.py``:
 a real HTTP server process with a HF model behind SGLang's endpoints, SGLang cannot run here), whose weights are
 checked by its greedy output against HF with the trainer's tensors.
 """
