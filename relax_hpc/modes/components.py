@@ -102,7 +102,7 @@ def build_engine(cfg: RecipeConfig, tokenizer: Tokenizer, *, seed: int, model: M
     """The recipe's rollout engine: on ``model`` (colocate: the trainer's module, shared) or, with None, on weights
     of its own loaded from ``cfg.model`` (a fully_async worker holds no model). ``server``: ``run_dir``, ``proc``,
     ``events`` for the server engines."""
-    from relax_hpc.rollout.engine import make_engine
+    from relax_hpc.rollout.factory import make_engine
 
     return make_engine(cfg, device=device, seed=seed, tokenizer=tokenizer, model=model, **server)
 

@@ -16,7 +16,7 @@ over a process group (the fast path), or, in colocate, :class:`SharedModule` (th
 trainer's own module: only the version changes). Loading weights is the engine's job; a worker for a server engine
 holds no model.
 
-Implementations register in :func:`make_engine` (one dispatch on ``rollout.engine``) and must pass the conformance
+Implementations register in :func:`relax_hpc.rollout.factory.make_engine` (one dispatch on ``rollout.engine``) and must pass the conformance
 suite in ``tests/helpers/engine_conformance.py``.
 """
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 if TYPE_CHECKING:
-    from relax_hpc.config.schema import RecipeConfig
+    pass
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -218,32 +218,3 @@ class RolloutEngine(ABC):
 async def generate_all(engine: RolloutEngine, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
     """All ``requests`` concurrently; results in request order."""
     return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
-
-
-def make_engine(cfg: RecipeConfig, *, device: str | None = None, seed: int = 0, tokenizer: Any,
-                model: Any = None, run_dir: Any = None, proc: str = "rollout-0", events: Any = None) -> RolloutEngine:
-    """The engine ``cfg.rollout.engine`` names (dispatched once here). ``model``: the module to generate with, shared
-    with the caller (colocate); None: the engine loads its own weights from ``cfg.model`` (a fully_async worker
-    holds no model). ``device``: where an in-process engine runs (default: ``rollout.device``, or the model's).
-    ``seed``: the engine's sampling seed (requests without their own ``sampling.seed`` draw from it). Server engines
-    (``sglang``, ``vllm``) also take the ``run_dir`` (their record, log and model folder), the process name ``proc``
-    and its ``events`` log (restarts, fallbacks, alerts)."""
-    kind = cfg.rollout.engine
-    if kind == "hf":
-        from relax_hpc.rollout.hf_engine import from_config
-
-        return from_config(cfg, device=device, seed=seed, tokenizer=tokenizer, model=model)
-    if kind in ("sglang", "vllm"):
-        from relax_hpc.rollout.server import make_server_engine
-
-        if model is not None:
-            from relax_hpc.errors import UserError
-
-            raise UserError(f"rollout.engine={kind}: a server engine generates with its server's own weights and "
-                            "cannot share the trainer's module (colocate); use rollout.engine=hf there")
-        if run_dir is None:
-            raise ValueError(f"rollout.engine={kind}: a server engine needs the run dir")
-        dev = device or ("cpu" if cfg.rollout.device == "cpu" else "cuda")
-        return make_server_engine(cfg, run_dir=run_dir, proc=proc, device=dev, seed=seed, tokenizer=tokenizer,
-                                  events=events)
-    raise ValueError(f"unknown rollout engine {kind!r}")

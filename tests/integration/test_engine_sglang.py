@@ -257,7 +257,7 @@ def test_unknown_server_flag_fails_at_start(tmp_path, loop):
 def test_make_engine_dispatch(tmp_path):
     from relax_hpc.errors import UserError
     from relax_hpc.models.tiny import build_digits_tokenizer
-    from relax_hpc.rollout.engine import make_engine
+    from relax_hpc.rollout.factory import make_engine
     from relax_hpc.rollout.server.sglang import SGLangEngine
     from relax_hpc.rollout.server.vllm import VLLMEngine
     from relax_hpc.trainer.checks import check_backends

@@ -79,7 +79,7 @@ def test_bucket_stream_that_lacks_tensors_is_refused() -> None:
 def test_make_engine_without_a_model_loads_its_own() -> None:
     from relax_hpc.config.load import validate_dict
     from relax_hpc.models.load import load_tokenizer
-    from relax_hpc.rollout.engine import make_engine
+    from relax_hpc.rollout.factory import make_engine
 
     cfg = validate_dict({"data": {"task": {"name": "reverse_digits"}}, "model": {"path": "tiny"},
                          "rollout": {"device": "cpu", "sampling": {"max_new_tokens": 5}}})

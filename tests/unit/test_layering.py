@@ -266,11 +266,6 @@ def circles(pkg: Path = PKG) -> list[list[str]]:
 
 
 KNOWN_CIRCLES: list[list[str]] = [
-    # make_engine (rollout/engine.py) names its implementations, which import the seam it is defined in: it moves to
-    # a module of its own once the sample-record change of rollout/engine.py (another branch) has landed
-    ["relax_hpc.rollout.engine", "relax_hpc.rollout.hf_engine", "relax_hpc.rollout.server",
-     "relax_hpc.rollout.server.base", "relax_hpc.rollout.server.partial", "relax_hpc.rollout.server.sglang",
-     "relax_hpc.rollout.server.vllm"],
     # pipeline.py and dist_checkpoint.py annotate with MegatronBackend (TYPE_CHECKING), which imports them lazily
     ["relax_hpc.trainer.megatron.backend", "relax_hpc.trainer.megatron.dist_checkpoint",
      "relax_hpc.trainer.megatron.optim", "relax_hpc.trainer.megatron.pipeline"],

@@ -20,7 +20,7 @@ WORKER = textwrap.dedent("""
     import asyncio, json, sys, time, torch
     from relax_hpc.config.load import validate_dict
     from relax_hpc.models.load import load_tokenizer
-    from relax_hpc.rollout.engine import make_engine
+    from relax_hpc.rollout.factory import make_engine
     from relax_hpc.rollout.weight_sync import FastPathStream, WeightSync
     from relax_hpc.rundir import RunDir
     from relax_hpc.weights import SnapshotReader
