@@ -16,8 +16,8 @@ over a process group (the fast path), or, in colocate, :class:`SharedModule` (th
 trainer's own module: only the version changes). Loading weights is the engine's job; a worker for a server engine
 holds no model.
 
-Implementations register in :func:`relax_hpc.rollout.factory.make_engine` (one dispatch on ``rollout.engine``) and must pass the conformance
-suite in ``tests/helpers/engine_conformance.py``.
+Implementations register in :func:`relax_hpc.rollout.factory.make_engine` (one dispatch on ``rollout.engine``)
+and must pass the conformance suite in ``tests/helpers/engine_conformance.py``.
 """
 
 from __future__ import annotations
