@@ -71,7 +71,7 @@ def _old_keys(cfg: RecipeConfig) -> list[str]:
 def _translate(cfg: RecipeConfig) -> Transport:
     """``auto`` (and the deprecated keys) -> the transport of this mode and engine."""
     w = cfg.weights
-    if cfg.mode == "colocate":
+    if "memory" in KINDS_BY_MODE.get(cfg.mode, ()):  # the engine lives in the trainer's process (colocate)
         return MemoryTransport(kind="memory")
     if isinstance(cfg.rollout, ServerRolloutBase):
         distributed = cfg.rollout.server.weight_sync == "distributed"
