@@ -109,6 +109,30 @@ def test_demo_vllm_learns_locally(tmp_path: Path) -> None:
     assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
 
 
+def test_demo_two_workers_default_tied_model_completes(tmp_path: Path) -> None:
+    """The demo as recipes/demo.yaml has it in fully_async (two rollout workers, the default tied tiny model) on the
+    vllm engine, ``rollout.device`` left at ``auto`` (the CPU here). A tied model restarts each worker's server on
+    every new snapshot; the snapshot's config.json (the trainer's, of a model built from a config) names no
+    architecture, and vLLM served it as an embedding model: every ``/v1/completions`` after the first update got 404
+    and the supervisor restarted the workers until its cap. Now the servers start on a view naming the start
+    folder's architecture and the run completes."""
+    run = tmp_path / "run"
+    steps = 3
+    proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), "--set", "mode=fully_async",
+               "--set", "rollout.engine=vllm", "--set", f"num_steps={steps}", timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:] + _tails(run)
+    assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
+    assert len(rewards(run, "trainer-0")) == steps
+    for worker in ("rollout-0", "rollout-1"):
+        evs = events(run, worker)
+        assert not [e for e in evs if e.get("event") == "failed"], [e["message"] for e in evs if "fail" in e["event"]]
+        ms = [m["metrics"] for m in metrics(run, worker)]
+        assert ms and max(m.get("rollout/server_reload_restarts", 0) for m in ms) >= 1  # restarted on a snapshot
+        log = (run / "logs" / f"server-{worker}-0.log").read_text()
+        assert " 404 " not in log and "Supported tasks: ['generate']" in log
+        assert "Supported tasks: ['token_embed', 'embed']" not in log
+
+
 def test_server_sigkill_mid_run_restarts_and_no_sample_is_lost(tmp_path: Path) -> None:
     """SIGKILL of the vLLM server's process group while the run trains: the worker's next request finds it dead,
     restarts it with backoff (alert ``server_died``, ``rollout/server_server_restarts`` = 1), the new server loads

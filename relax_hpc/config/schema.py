@@ -271,6 +271,9 @@ class ServerConfig(Section):
     weight-transfer engine); any failure falls back to the files, logged as an event."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """Bound on one weight update of a server (either path) before it counts as failed."""
+    versions: str | None = None
+    """Server versions accepted at start (a PEP 440 specifier, ``">=0.5.10,<0.6"``); ``None`` = the releases the
+    engine was checked against (sglang ``>=0.5.10,<=0.5.23``, vllm ``>=0.32,<0.33``); ``""`` = any."""
 
 
 class SandboxConfig(Section):
@@ -381,7 +384,8 @@ class RolloutConfig(Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     """Inference servers (``sglang``, ``vllm`` engines)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the ``hf`` engine runs."""
+    """Where the ``hf`` engine runs, and the ``vllm`` engine's server (``auto``: the CPU on a machine without a
+    GPU)."""
     hf_decoder: Literal["auto", "compiled", "generate"] = "auto"
     """How the ``hf`` engine decodes: ``auto`` = its own sampling loop with a KV cache for text prompts to a plain
     causal LM (same sampling as ``generate``, 1.3x as fast on the demo model: bench generate; on a GPU the loop's

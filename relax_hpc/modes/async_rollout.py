@@ -114,11 +114,8 @@ class RolloutWorker:
         if server_fast_path(cfg):  # trainer rank 0 broadcasts into this worker's server
             from relax_hpc.rollout.server.fastpath import ServerFastPath
 
-            fast = ServerFastPath(self.run_dir, self.rank, timeout_s=min(30.0, cfg.rollout.server.sync_timeout_s))
-        elif cfg.rollout.engine == "vllm" and cfg.rollout.server.weight_sync == "distributed":
-            self.events.event("weight_sync_files", "rollout.server.weight_sync=distributed: vLLM's weight-transfer "
-                              "engine needs its NCCL communicator on the trainer side, which is not wired; the vllm "
-                              "servers load the snapshot files", level="warning")
+            fast = ServerFastPath(self.run_dir, self.rank, timeout_s=min(30.0, cfg.rollout.server.sync_timeout_s),
+                                  server_ranks=self.engine.transfer_ranks)
         elif cfg.weights.fast_path != "off" and template is not None:
             from relax_hpc.weights.fastpath import FastPathClient, link_device
 

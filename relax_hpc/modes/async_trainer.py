@@ -72,9 +72,9 @@ class Gathered:
 
 def server_fast_path(cfg: RecipeConfig) -> bool:
     """Whether trainer rank 0 broadcasts weights to the rollout servers (``rollout.server.weight_sync:
-    distributed`` with the ``sglang`` engine; vLLM's weight-transfer engine needs its own NCCL communicator on the
-    trainer side, which is not wired: its servers load the snapshot files)."""
-    return cfg.rollout.engine == "sglang" and cfg.rollout.server.weight_sync == "distributed"
+    distributed`` with the ``sglang`` or ``vllm`` engine; vLLM's needs CUDA and the vllm package on the trainer,
+    else its servers load the snapshot files: :mod:`relax_hpc.weights.vllm_transfer`)."""
+    return cfg.rollout.engine in ("sglang", "vllm") and cfg.rollout.server.weight_sync == "distributed"
 
 
 class AsyncTrainer:
@@ -93,7 +93,13 @@ class AsyncTrainer:
         hf_fast = cfg.weights.fast_path != "off" and cfg.rollout.engine == "hf"
         # every rank: with several trainer ranks gathering the whole model is a collective (FSDP2, megatron TP)
         sd = self.trainer.full_state_dict() if server_fast_path(cfg) or hf_fast else {}
-        if rank == 0 and server_fast_path(cfg):
+        if rank == 0 and server_fast_path(cfg) and cfg.rollout.engine == "vllm":
+            from relax_hpc.weights.vllm_transfer import vllm_links
+
+            self.fast = vllm_links(run_dir, cfg, device=str(self.r.policy.device), events=self.r.events)
+            if self.fast is not None:
+                self.fast.update(self.trainer.step, sd)
+        elif rank == 0 and server_fast_path(cfg):
             from relax_hpc.weights.server_links import ServerLinks
 
             cuda = str(self.r.policy.device).startswith("cuda")

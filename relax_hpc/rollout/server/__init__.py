@@ -96,6 +96,8 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
     from relax_hpc.rollout.server.base import ServerSetup
 
     name = server_name(proc, index)
+    if cfg.rollout.engine == "vllm" and device != "cpu" and cfg.rollout.device == "auto" and not has_gpu():
+        device = "cpu"  # vLLM's CPU build: its GPU defaults would reserve 92 % of the host's memory and fail
     model_dir = prepare_model_dir(cfg, run_dir.server_model(name), tokenizer=tokenizer, seed=cfg.model.init_seed)
     dtype = "bfloat16" if cfg.model.dtype == "bfloat16" else ("float32" if device == "cpu" or
                                                               cfg.model.dtype == "float32" else "bfloat16")
@@ -119,6 +121,13 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
 
         return SGLangEngine(server_cfg, setup)
     raise ValueError(f"rollout.engine={kind!r} is not a server engine")
+
+
+def has_gpu() -> bool:
+    """Whether this process sees a CUDA GPU (``rollout.device: auto`` puts a vllm server on the CPU otherwise)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def newest_snapshot(run_dir: RunDir) -> Any:
