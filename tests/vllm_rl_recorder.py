@@ -34,7 +34,7 @@ def _say(line: str) -> None:
 
 
 def _import_vllm() -> None:
-    """vLLM's request dataclasses (a slow import: done beside serving, awaited by the weight endpoints)."""
+    """vLLM's request dataclasses (a slow import: started by the first weight request, awaited by all of them)."""
     try:
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
@@ -67,7 +67,12 @@ class State:
         self.updating = False
 
 
+_STARTED = threading.Lock()
+
+
 def _dataclass(kind: str, fields: dict[str, Any]) -> Any:
+    if _STARTED.acquire(blocking=False):  # the first weight request starts the import
+        threading.Thread(target=_import_vllm, daemon=True).start()
     if not _READY.wait(300):
         raise RuntimeError("vllm import did not finish in 300 s")
     if "error" in _VLLM:
@@ -147,7 +152,6 @@ def main() -> None:
     p.add_argument("--data-parallel-size", type=int, default=1)
     args, rest = p.parse_known_args()  # the engine's other vLLM flags: recorded, not served
     _say("RECORD " + json.dumps({"path": "argv", "body": rest}))
-    threading.Thread(target=_import_vllm, daemon=True).start()
     server = ThreadingHTTPServer((args.host, args.port), make_handler(State(args)))
     server.daemon_threads = True
     _say(f"vllm RL recorder on {args.host}:{args.port}")

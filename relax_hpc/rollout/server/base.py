@@ -286,8 +286,9 @@ class ServerEngine(RolloutEngine):
         await self._on_ready()
         self.stats.server_starts += 1
         self.stats.startup_s = took
-        self._event("server_ready", f"{self.kind} server {s.name} {version or ''} ready on {self.server.url} after "
-                    f"{took:.1f} s", startup_s=round(took, 2), pid=self.server.proc.pid if self.server.proc else None,
+        name = f"{self.kind} {version} server" if version else f"{self.kind} server"
+        self._event("server_ready", f"{name} {s.name} ready on {self.server.url} after {took:.1f} s",
+                    startup_s=round(took, 2), pid=self.server.proc.pid if self.server.proc else None,
                     server_version=version)
         return took
 
