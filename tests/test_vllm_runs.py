@@ -117,7 +117,7 @@ def test_demo_two_workers_default_tied_model_completes(tmp_path: Path) -> None:
     and the supervisor restarted the workers until its cap. Now the servers start on a view naming the start
     folder's architecture and the run completes."""
     run = tmp_path / "run"
-    steps = 3
+    steps = 2
     proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), "--set", "mode=fully_async",
                "--set", "rollout.engine=vllm", "--set", f"num_steps={steps}", timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:] + _tails(run)
