@@ -109,17 +109,18 @@ def test_demo_vllm_learns_locally(tmp_path: Path) -> None:
     assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
 
 
-def test_demo_two_workers_default_tied_model_completes(tmp_path: Path) -> None:
-    """The demo as recipes/demo.yaml has it in fully_async (two rollout workers, the default tied tiny model) on the
-    vllm engine, ``rollout.device`` left at ``auto`` (the CPU here). A tied model restarts each worker's server on
-    every new snapshot; the snapshot's config.json (the trainer's, of a model built from a config) names no
-    architecture, and vLLM served it as an embedding model: every ``/v1/completions`` after the first update got 404
-    and the supervisor restarted the workers until its cap. Now the servers start on a view naming the start
-    folder's architecture and the run completes."""
+def test_demo_two_workers_tied_model_completes(tmp_path: Path) -> None:
+    """The demo in fully_async on the vllm engine as recipes/demo.yaml has it: two rollout workers, the tiny model tied
+    (only its shape the one vLLM's CPU attention takes), ``rollout.device`` left at ``auto`` (the CPU here). A tied
+    model restarts each worker's server on every new snapshot; the snapshot's config.json (the trainer's, of a model
+    built from a config) names no architecture, and vLLM served it as an embedding model: every
+    ``/v1/completions`` after the first update got 404 and the supervisor restarted the workers until its cap. Now
+    the servers start on a view naming the start folder's architecture and the run completes."""
     run = tmp_path / "run"
     steps = 2
-    proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), "--set", "mode=fully_async",
-               "--set", "rollout.engine=vllm", "--set", f"num_steps={steps}", timeout=1500)
+    shape = [s for s in VLLM_DEMO if s.startswith("model.tiny.") and "tie_embeddings" not in s]
+    sets = [x for s in ("mode=fully_async", "rollout.engine=vllm", f"num_steps={steps}", *shape) for x in ("--set", s)]
+    proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), *sets, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:] + _tails(run)
     assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
     assert len(rewards(run, "trainer-0")) == steps
@@ -131,6 +132,17 @@ def test_demo_two_workers_default_tied_model_completes(tmp_path: Path) -> None:
         log = (run / "logs" / f"server-{worker}-0.log").read_text()
         assert " 404 " not in log and "Supported tasks: ['generate']" in log
         assert "Supported tasks: ['token_embed', 'embed']" not in log
+
+
+def test_vllm_on_the_cpu_refuses_a_head_size_its_attention_lacks(tmp_path: Path) -> None:
+    """The demo's own tiny shape (head size 16) on vLLM's CPU build: one clear error (exit 2) naming the head sizes
+    vLLM's CPU attention takes, not servers that die at their first request and are restarted until the cap."""
+    run = tmp_path / "run"
+    proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), "--set", "mode=fully_async",
+               "--set", "rollout.engine=vllm", "--set", "num_steps=2", timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "attention head size is 16" in proc.stderr + _tails(run)
+    assert not (run / "logs" / "server-rollout-0-0.log").exists()  # refused before any server started
 
 
 def test_server_sigkill_mid_run_restarts_and_no_sample_is_lost(tmp_path: Path) -> None:
