@@ -110,11 +110,12 @@ class MismatchMeter:
 
 
 def mismatch_metrics(reduced: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
-    """Pop the mismatch sums out of ``reduced`` (summed over ranks) and return the metrics: overall, and per
-    staleness bucket where more than one bucket has tokens."""
+    """Pop the mismatch sums out of ``reduced`` (summed over ranks) and return the metrics: overall (always, 0 for
+    a step without tokens), and per staleness bucket where a bucket other than ``0`` has tokens."""
     sums = {b: {k: float(reduced.pop(f"{_PREFIX}{b}/{k}", 0.0)) for k in _SUMS} for b in BUCKETS}
     total = {k: sum(sums[b][k] for b in BUCKETS) for k in _SUMS}
-    out = _means(total, max(maxima.values(), default=0.0), "")
+    out = _means(total, max(maxima.values(), default=0.0), "") or dict.fromkeys(
+        (KL, ABS_MEAN, ABS_MAX, FRAC_BIG, TIS_CLIP), 0.0)  # every key every step (a rank without items too)
     filled = [b for b in BUCKETS if sums[b]["tokens"] > 0]
     if len(filled) > 1 or (filled and filled != ["0"]):
         for b in filled:
