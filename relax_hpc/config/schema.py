@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from relax_hpc.config.eval import EvalConfig
+
 INT_LIMIT = 2**63 - 1
 """Largest integer any field takes (torch's int64); seeds are further limited to what numpy takes."""
 SEED_LIMIT = 2**32 - 1
@@ -817,6 +819,8 @@ class RecipeConfig(Section):
     """Executor and Slurm resources."""
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     """Metrics sinks and alerts."""
+    eval: EvalConfig | None = None
+    """Evaluation on a held-out set during training (None = none); see :mod:`relax_hpc.config.eval`."""
 
     @model_validator(mode="after")
     def _megatron_layout(self) -> RecipeConfig:

@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.eval.hook import EvalHook
 from relax_hpc.rundir import RunDir
 from relax_hpc.timing import PhaseTimer
 from relax_hpc.weights.handover import hand_over
@@ -72,6 +73,7 @@ class Colocate:
                                     sampling=sampling_params(cfg.rollout.sampling, cfg.rollout.n_samples),
                                     writer_id=writer_id, writer=ShardWriter(run_dir, writer_id),
                                     episode=C.build_episode(cfg, tok))
+        self.evals = EvalHook.for_colocate(self)  # held-out evaluation when the engine gets new weights
         self._hand_over(self.trainer.step)
         if self.trainer.step == 0:
             self.session.publish()
@@ -92,6 +94,7 @@ class Colocate:
         source: Any = SharedModule() if getattr(self.engine, "shared", False) else StateDictStream(
             self.trainer.full_state_dict())
         self.driver.call(self.engine.receive(version, source))
+        self.evals.on_weights(version)
 
     def step(self) -> None:
         """One step: generate and write this rank's groups, plan and read the step's batch, train, hand over."""
