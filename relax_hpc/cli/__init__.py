@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "render": ("relax_hpc.cli.render", "print the sbatch script(s) of a recipe"),
     "sweep": ("relax_hpc.cli.sweep", "submit a hyper-parameter grid as one job array"),
     "sweep-status": ("relax_hpc.cli.sweep_status", "table of final metrics per sweep combination"),
+    "eval": ("relax_hpc.cli.eval", "evaluate a run's stored weight snapshots on its held-out set"),
     "bench": ("relax_hpc.cli.bench", "benchmarks that print figures (store, snapshots, trainer, pipeline, ...)"),
 }
 

@@ -45,6 +45,7 @@ METRICS: dict[str, str] = {
     "tool_latency": "agent/tool_latency_s",
     "truncations": "agent/truncated_episodes",
     "episode_reward": "agent/episode_reward",
+    "mismatch_kl": "train/mismatch_kl",
 }
 """Snapshot key -> trainer metric name (``agent/*``: multi-turn episodes, relax_hpc/envs/metrics.py)."""
 RECENT_KEEP = 100
@@ -271,6 +272,7 @@ class RunMonitor:
         for key, name in METRICS.items():
             snap[key] = as_float(tr.metrics.get(name))
         snap["reward_trend"] = slope(list(tr.rewards)[-20:])
+        snap.update(self._eval_summary())
         snap["weight_version"] = self._weight_version(tr)
         snap["trainer_proc"] = tproc
         snap["trainer_state"] = roles[tproc]["state"] if tproc in roles else None
@@ -285,6 +287,18 @@ class RunMonitor:
         snap["lines_read"] = self._events.lines
         snap["bad_lines"] = self._events.bad_lines
         return snap
+
+    def _eval_summary(self) -> dict[str, Any]:
+        """The held-out evaluations so far (``eval/vNNNNNN.json``): the newest one's accuracy and version, and the
+        first one's accuracy (None when there is none)."""
+        from relax_hpc.eval.evaluator import read_results
+
+        evals = read_results(self.rd)
+        if not evals:
+            return {"eval_accuracy": None, "eval_version": None, "eval_first_accuracy": None}
+        first, last = evals[min(evals)], evals[max(evals)]
+        return {"eval_accuracy": last.get("eval/accuracy"), "eval_version": max(evals),
+                "eval_first_accuracy": first.get("eval/accuracy")}
 
     def _roles(self, slurm_states: dict[str, str], now: float) -> dict[str, dict[str, Any]]:
         dead_after = self.monitor_cfg.dead_after_s
