@@ -33,10 +33,8 @@ class EvalSamplingConfig(_Section):
     max_new_tokens: int | None = Field(None, ge=1)
     """Most tokens per response (None = ``rollout.sampling.max_new_tokens``)."""
     stop: list[str] | None = None
-    """Stop strings (None = ``rollout.sampling.stop``)."""
-    seed: int = Field(0, ge=0, le=2**32 - 1)
-    """Seed of the evaluation's sampling (prompt ``i`` of version ``v`` samples with a seed made of it, ``i`` and
-    ``v``): an evaluation is repeatable."""
+    """Stop strings (None = ``rollout.sampling.stop``). Sampled evaluations (``temperature > 0``) draw from the
+    engine's own seeded generator, like the rollouts (a request with a seed of its own would be batched alone)."""
 
 
 class EvalConfig(_Section):

@@ -2,8 +2,8 @@
 
 Only the engine's ``generate`` API is used (:class:`~relax_hpc.rollout.engine.RolloutEngine`), so any engine (the
 colocate engine on the trainer's module, a fully_async worker's engine, a server engine, an engine loading a stored
-snapshot) evaluates the same way. Requests carry their own seed (``eval.sampling.seed``, the prompt's index and the
-version), so an evaluation does not disturb the training sampling's random stream and is repeatable.
+snapshot) evaluates the same way. Requests carry no seed of their own, so the engine batches them as it batches
+rollouts (greedy evaluations are deterministic; sampled ones draw from the engine's seeded generator).
 
 Results: ``RUN_DIR/eval/vNNNNNN.json`` (``{"version", "metrics", "time", "proc", "seconds"}``, atomically) and
 ``vNNNNNN.samples.jsonl`` (one line per sample, each with the version), see :meth:`relax_hpc.rundir.RunDir.evals`.
@@ -53,14 +53,13 @@ class Evaluator:
             rewards = build_reward_runner(cfg, tokenizer=tokenizer, name="eval")
         self.rewards = rewards
 
-    def sampling(self, index: int, version: int) -> Any:
+    def sampling(self) -> Any:
         from relax_hpc.rollout.engine import SamplingParams
 
         s, roll = self.ecfg.sampling, self.cfg.rollout.sampling
         return SamplingParams(n=self.ecfg.n_samples, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                               max_new_tokens=s.max_new_tokens or roll.max_new_tokens,
-                              stop=tuple(roll.stop if s.stop is None else s.stop),
-                              seed=(s.seed * 1_000_003 + version * 100_003 + index) % (2**31 - 1))
+                              stop=tuple(roll.stop if s.stop is None else s.stop))
 
     async def generate(self, engine: Any, version: int) -> list[Any]:
         """Every held-out prompt's result, ``batch_prompts`` requests in flight at a time."""
@@ -71,7 +70,7 @@ class Evaluator:
         prompts, out = self.heldout.prompts, []
         step = self.ecfg.batch_prompts
         for start in range(0, len(prompts), step):
-            reqs = [GenerateRequest(f"eval-v{version}:{i}", p.prompt_ids, self.sampling(i, version),
+            reqs = [GenerateRequest(f"eval-v{version}:{i}", p.prompt_ids, self.sampling(),
                                     media=p.media, engine_prompt_ids=p.engine_prompt_ids)
                     for i, p in enumerate(prompts[start:start + step], start)]
             out.extend(await asyncio.gather(*(engine.generate(r) for r in reqs)))
