@@ -166,3 +166,20 @@ def test_model_path_under_home_is_expanded_for_the_preprocessor(tmp_path: Path,
     LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 vocab_size=32).save_pretrained(tmp_path / "models" / "m")
     assert build_preprocessor(ModelConfig(path="~/models/m"), tokenizer=None) is None  # a text model: none needed
+
+
+def test_bench_learning_reads_the_eval_curve(tmp_path: Path) -> None:
+    from relax_hpc.bench.learning import compare, eval_figures
+    from relax_hpc.eval.evaluator import EvalResult, write_result
+    from relax_hpc.rundir import RunDir
+
+    rd = RunDir.create(tmp_path / "run")
+    assert eval_figures(rd) == {}
+    for v, acc in ((0, 0.18), (10, 0.3), (80, 0.46)):
+        write_result(rd, EvalResult(v, {"eval/accuracy": acc, "eval/accuracy_thresholded": acc - 0.01}, [], 1.0),
+                     proc="colocate-0")
+    f = eval_figures(rd)
+    assert (f["eval_first_version"], f["eval_last_version"]) == (0, 80)
+    assert (f["eval_first_accuracy"], f["eval_last_accuracy"]) == (0.18, 0.46)
+    assert f["eval_curve"] == pytest.approx({"0": 0.17, "10": 0.29, "80": 0.45})
+    assert compare({"colocate": [{"final_reward": 0.5}]}) == {}  # one mode: nothing to compare
