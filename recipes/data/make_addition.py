@@ -6,8 +6,10 @@
 * ``addition-heldout.jsonl``: 200 other additions (no pair, and no prompt, is in both files), the held-out set of
   the recipes' ``eval`` section.
 
-Each row: ``{"prompt": "What is 47 + 38?", "answer": "85", "data_source": "carry" | "no_carry"}`` (whether the
-ones digits carry: the evaluation reports accuracy per source).
+Each row: ``{"prompt": "47 + 38 =", "answer": "85", "data_source": "carry" | "no_carry"}`` (whether the ones digits
+carry: the evaluation reports accuracy per source). The bare equation, in the chat template with its default system
+prompt, is the form SmolLM2-135M-Instruct answers briefly ("The answer is: 85"); "What is 47 + 38?" makes it explain
+at length ("To add 47 and 38, we need ..."), past a CPU-sized token budget.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ TRAIN, HELDOUT = 3000, 200
 
 
 def row(a: int, b: int) -> dict[str, str]:
-    return {"prompt": f"What is {a} + {b}?", "answer": str(a + b),
+    return {"prompt": f"{a} + {b} =", "answer": str(a + b),
             "data_source": "carry" if a % 10 + b % 10 >= 10 else "no_carry"}
 
 
