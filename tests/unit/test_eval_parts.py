@@ -183,3 +183,15 @@ def test_bench_learning_reads_the_eval_curve(tmp_path: Path) -> None:
     assert (f["eval_first_accuracy"], f["eval_last_accuracy"]) == (0.18, 0.46)
     assert f["eval_curve"] == pytest.approx({"0": 0.17, "10": 0.29, "80": 0.45})
     assert compare({"colocate": [{"final_reward": 0.5}]}) == {}  # one mode: nothing to compare
+
+
+def test_last_number_reward_does_not_credit_a_restated_question() -> None:
+    from relax_hpc.rewards.builtin import last_number, math_answer
+
+    restated = "To calculate 34 + 63, we simply"  # what a SmolLM2 policy learned to say against `math` in 2 steps
+    assert math_answer(restated, "97") == 1.0  # math-verify evaluates the restated expression
+    assert last_number(restated, "97") == 0.0
+    for text in ("The answer is: 97.", "34 + 63 = 97", "97", " 97\n\nThis"):
+        assert last_number(text, "97") == 1.0, text
+    assert last_number("The answer is: 109.", "97") == 0.0 and last_number("no number", "97") == 0.0
+    assert last_number("It is -5", -5) == 1.0 and last_number("so 1234", "#### 1,234") == 1.0
