@@ -64,7 +64,7 @@ def select_snapshots(spec: str, available: list[int]) -> list[int]:
 
 
 def build_engine(rd: RunDir, cfg: RecipeConfig, tokenizer: Any, proc: str, events: Any) -> Any:
-    from relax_hpc.config.checks import check_backends
+    from relax_hpc.trainer.checks import check_backends
     from relax_hpc.modes import components as C
 
     check_backends(cfg)
