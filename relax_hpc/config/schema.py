@@ -32,7 +32,7 @@ from relax_hpc.config.base import INT_LIMIT, SEED_LIMIT, Section, Variants
 from relax_hpc.config.data import MEDIA_OPTION_KEYS, DataConfig, MediaConfig, TaskConfig
 from relax_hpc.config.env import EnvConfig, SandboxConfig
 from relax_hpc.config.launch import LaunchConfig, RoleResources
-from relax_hpc.config.model import ModelConfig, TinyModelConfig
+from relax_hpc.config.model import LoraConfig, ModelConfig, TinyModelConfig
 from relax_hpc.config.monitor import MonitorConfig
 from relax_hpc.config.reward import RewardConfig
 from relax_hpc.config.rollout import (
@@ -86,6 +86,7 @@ __all__ = [
     "GRPOConfig",
     "HFRolloutConfig",
     "LaunchConfig",
+    "LoraConfig",
     "MediaConfig",
     "MegatronConfig",
     "MegatronTrainerConfig",
@@ -163,6 +164,13 @@ class RecipeConfig(Section):
     """Executor and Slurm resources."""
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     """Metrics sinks and alerts."""
+
+    @model_validator(mode="after")
+    def _lora_backend(self) -> RecipeConfig:
+        if self.model.lora is not None and self.trainer.backend != "torch":
+            raise ValueError(f"model.lora: trainer.backend {self.trainer.backend} does not train LoRA adapters; use "
+                             "trainer.backend: torch, or drop model.lora")
+        return self
 
     @model_validator(mode="after")
     def _env_warmup(self) -> RecipeConfig:
