@@ -91,3 +91,74 @@ def _byte_dtype() -> Any:
     import torch
 
     return torch.uint8
+
+
+ADAPTER_PREFIX = "base_model.model."
+"""Every tensor name of an adapter's state (PEFT's file names) starts with this."""
+
+
+def is_adapter_state(names: Any) -> bool:
+    """Whether tensor names are an adapter's (PEFT's file names) rather than a model's."""
+    names = list(names)
+    return bool(names) and all(n.startswith(ADAPTER_PREFIX) for n in names)
+
+
+class AdapterMerger:
+    """Applies adapter versions to a plain HF module (an engine's own copy) by merging them into its weights:
+    ``W = W0 + scale * B @ A`` for every adapted linear layer, ``W0`` kept as a copy of the targeted weights only
+    (taken at the first version), so that decoding runs the plain module at full speed. Modules trained fully
+    (``modules_to_save``) are copied in."""
+
+    def __init__(self, model: Any, scale: float):
+        self.model = model
+        self.scale = scale
+        self.base: dict[str, Any] = {}
+        """The targeted layers' base weights, by module name."""
+
+    def apply(self, state: dict[str, Any]) -> None:
+        """Merge one adapter version (its whole state: every ``lora_A``/``lora_B`` pair)."""
+        import torch
+
+        from relax_hpc.errors import SnapshotError
+
+        modules = dict(self.model.named_modules())
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for key, t in state.items():
+                name = key[len(ADAPTER_PREFIX):]
+                if name.endswith(".lora_B.weight"):
+                    continue
+                if name.endswith(".lora_A.weight"):
+                    path = name[: -len(".lora_A.weight")]
+                    b = state.get(f"{ADAPTER_PREFIX}{path}.lora_B.weight")
+                    if path not in modules or b is None:
+                        raise SnapshotError(f"adapter tensor {key!r} fits no layer of the model (or lacks lora_B)")
+                    w = modules[path].weight
+                    w0 = self.base.setdefault(path, w.detach().clone())
+                    delta = b.to(w.device, torch.float32) @ t.to(w.device, torch.float32)
+                    w.copy_((w0.float() + self.scale * delta).to(w.dtype))
+                elif name in params:
+                    params[name].copy_(t.to(params[name].device, params[name].dtype))
+                else:
+                    raise SnapshotError(f"adapter tensor {key!r} fits no parameter of the model")
+
+
+def adapter_template(model: Any, cfg: LoraConfig) -> dict[str, Any]:
+    """Empty tensors named and shaped like the adapter's state that :func:`apply_lora` with ``cfg`` gives ``model``
+    (PEFT's file names; the fast path's receive buffers of an engine that merges adapters)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    saved = set(cfg.modules_to_save)
+    for name, m in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in cfg.target_modules) \
+                and last not in saved:
+            out[f"{ADAPTER_PREFIX}{name}.lora_A.weight"] = torch.empty(cfg.rank, m.in_features, dtype=m.weight.dtype,
+                                                                     device=m.weight.device)
+            out[f"{ADAPTER_PREFIX}{name}.lora_B.weight"] = torch.empty(m.out_features, cfg.rank, dtype=m.weight.dtype,
+                                                                     device=m.weight.device)
+        elif any(name == t or name.endswith("." + t) for t in saved):
+            for pname, p in m.named_parameters():
+                out[f"{ADAPTER_PREFIX}{name}.{pname}"] = torch.empty_like(p.detach())
+    return out
