@@ -170,6 +170,9 @@ class RecipeConfig(Section):
         if self.model.lora is not None and self.trainer.backend != "torch":
             raise ValueError(f"model.lora: trainer.backend {self.trainer.backend} does not train LoRA adapters; use "
                              "trainer.backend: torch, or drop model.lora")
+        if self.model.lora is not None and self.rollout.engine != "hf":
+            raise ValueError(f"model.lora: rollout.engine {self.rollout.engine} does not load LoRA adapters yet; use "
+                             "rollout.engine: hf, or drop model.lora")
         return self
 
     @model_validator(mode="after")

@@ -58,6 +58,12 @@ def test_lora_with_megatron_is_refused_in_one_line() -> None:
                              "trainer.backend=megatron"), "model.lora", "megatron")
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_lora_with_a_server_engine_is_refused_in_one_line(engine: str) -> None:
+    assert_one_error(run_cli("validate", str(DEMO), "--set", "model.lora={rank: 8}", "--set",
+                             f"rollout.engine={engine}"), "model.lora", engine)
+
+
 def test_a_valid_lora_section_passes() -> None:
     res = run_cli("validate", str(DEMO), "--set", "model.lora={rank: 8, modules_to_save: [lm_head]}",
                   "--executor", "local")
