@@ -65,6 +65,7 @@ def decode() -> None:
     from relax_hpc.models.lora import AdapterMerger, adapter_state, apply_lora
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # one thread, as the figures in docs/lora.md were taken
     d = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
     d["model"]["lora"] = {"rank": 16}
     cfg = validate_dict(d)
