@@ -52,3 +52,16 @@ def test_a_lora_run_publishes_adapters_and_resumes_from_its_adapter_checkpoint(t
     assert resumed and resumed[-1]["step"] == 2
     steps = [r["step"] for r in metrics(run, "colocate-0") if "rollout/reward" in r["metrics"]]
     assert steps == [1, 2, 3, 4], steps
+
+
+@pytest.mark.integration
+def test_a_fully_async_lora_run_sends_adapters_to_the_workers(tmp_path: Path) -> None:
+    """The workers' hf engines merge the adapter versions they get over the process-group link (adapter-shaped
+    buffers) or from the files; no hand-over falls back or fails."""
+    run = tmp_path / "run"
+    proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), "--set", "mode=fully_async",
+               "--set", "num_steps=4", "--set", "model.lora={rank: 8}", *SHORT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    evs = [e for w in (0, 1) for e in events(run, f"rollout-{w}")]
+    assert not [e for e in evs if e.get("event") == "weight_fallback" or e.get("level") == "error"], evs
+    assert json.loads((run / "weights" / "v000004" / "manifest.json").read_text())["adapter"]
