@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from relax_hpc.config.base import SEED_LIMIT, Section
 
@@ -42,6 +42,35 @@ class TinyModelConfig(Section):
         return self
 
 
+LORA_TARGETS_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a Qwen/Llama decoder layer: LoRA's default targets."""
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (PEFT's LoRA) on the policy: only the adapters (and ``modules_to_save``) are trained; the
+    base weights stay frozen. The torch trainer backend only."""
+
+    rank: int = Field(16, gt=0)
+    """Adapter rank ``r``."""
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the adapter's update is scaled by ``alpha / rank``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (training only)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS_DEFAULT), min_length=1)
+    """Names (last component) of the linear layers that get adapters; each must exist in the model (checked when the
+    model is built)."""
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Modules trained fully besides the adapters (e.g. ``lm_head``); saved with the adapter."""
+
+    @field_validator("target_modules", "modules_to_save")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not name or not all(part.isidentifier() or part.isdigit() for part in name.split(".")):
+                raise ValueError(f"{name!r} is not a module name (dotted identifiers)")
+        return v
+
+
 class ModelConfig(Section):
     """The policy model and its tokenizer."""
 
@@ -65,3 +94,6 @@ class ModelConfig(Section):
     installed). See docs/benchmarks.md for measured figures."""
     init_seed: int = Field(0, ge=0, le=SEED_LIMIT)
     """Seed for the random weights of a tiny model."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of the full model (None: full fine-tuning). Snapshots then hold only the
+    adapter (docs/lora.md)."""

@@ -33,7 +33,7 @@ from relax_hpc.config.data import MEDIA_OPTION_KEYS, DataConfig, MediaConfig, Ta
 from relax_hpc.config.env import EnvConfig, SandboxConfig
 from relax_hpc.config.eval import EvalConfig
 from relax_hpc.config.launch import LaunchConfig, RoleResources
-from relax_hpc.config.model import ModelConfig, TinyModelConfig
+from relax_hpc.config.model import LoraConfig, ModelConfig, TinyModelConfig
 from relax_hpc.config.monitor import MonitorConfig
 from relax_hpc.config.reward import RewardConfig
 from relax_hpc.config.rollout import (
@@ -88,6 +88,7 @@ __all__ = [
     "GRPOConfig",
     "HFRolloutConfig",
     "LaunchConfig",
+    "LoraConfig",
     "MediaConfig",
     "MegatronConfig",
     "MegatronTrainerConfig",
@@ -167,6 +168,16 @@ class RecipeConfig(Section):
     """Metrics sinks and alerts."""
     eval: EvalConfig | None = None
     """Evaluation on a held-out set during training (None = none); see :mod:`relax_hpc.config.eval`."""
+
+    @model_validator(mode="after")
+    def _lora_backend(self) -> RecipeConfig:
+        if self.model.lora is not None and self.trainer.backend != "torch":
+            raise ValueError(f"model.lora: trainer.backend {self.trainer.backend} does not train LoRA adapters; use "
+                             "trainer.backend: torch, or drop model.lora")
+        if self.model.lora is not None and self.rollout.engine != "hf":
+            raise ValueError(f"model.lora: rollout.engine {self.rollout.engine} does not load LoRA adapters yet; use "
+                             "rollout.engine: hf, or drop model.lora")
+        return self
 
     @model_validator(mode="after")
     def _env_warmup(self) -> RecipeConfig:

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from relax_hpc.config.schema import SamplingConfig
+from relax_hpc.config.schema import LoraConfig, SamplingConfig
 from relax_hpc.rollout.engine import (
     BucketStream,
     EngineHealth,
@@ -156,7 +156,8 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model: Any, tokenizer: Any, sampling: SamplingConfig | None = None, *, device: str = "cpu",
                  batch_prompts: int = 16, seed: int = 0, decoder: str = "auto", shared: bool = False,
-                 threads: int | None = None, threaded: bool = True, slots: int = 0, slot_length: int = 0):
+                 threads: int | None = None, threaded: bool = True, slots: int = 0, slot_length: int = 0,
+                 lora: LoraConfig | None = None):
         import torch
 
         from relax_hpc.rollout.slots import Occupancy
@@ -169,6 +170,14 @@ class HFEngine(RolloutEngine):
         self.version = 0
         self.shared = shared
         """The module is the trainer's (colocate): :class:`SharedModule` is a valid weight source."""
+        self.merger: Any = None
+        """``model.lora`` on a module of its own: adapter versions merged into a copy of the base weights
+        (:class:`~relax_hpc.models.lora.AdapterMerger`; docs/lora.md says why merged rather than PEFT modules)."""
+        self.lora = lora
+        if lora is not None and not shared:
+            from relax_hpc.models.lora import AdapterMerger
+
+            self.merger = AdapterMerger(model, lora.alpha / lora.rank)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self._loop: bool | None = None if decoder in ("auto", "compiled") else False  # decided at the first batch
@@ -296,6 +305,10 @@ class HFEngine(RolloutEngine):
             self._thread.join(timeout=timeout_s)
 
     def weight_template(self) -> Mapping[str, Any]:
+        if self.merger is not None and self.lora is not None:  # the fast path brings adapters
+            from relax_hpc.models.lora import adapter_template
+
+            return adapter_template(self.model, self.lora)
         return self.model.state_dict()
 
     def metrics(self) -> dict[str, float]:
@@ -609,8 +622,23 @@ class HFEngine(RolloutEngine):
 
         verify = "size" if source.verify == "none" else source.verify
         state, _ = load_snapshot(source.path, device="cpu", verify=verify)
-        copy_state_into(self.model, state, source=str(source.path))
+        if self._adapter(state):
+            self.merger.apply(state)
+        else:
+            copy_state_into(self.model, state, source=str(source.path))
         self.version = int(version)
+
+    def _adapter(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` is an adapter's (merged, not copied); an adapter on an engine without ``model.lora``
+        or a full state on one with it is an error."""
+        from relax_hpc.errors import SnapshotError
+        from relax_hpc.models.lora import is_adapter_state
+
+        adapter = is_adapter_state(state)
+        if adapter != (self.merger is not None):
+            raise SnapshotError("an adapter's weights for an engine without model.lora" if adapter else
+                                "full weights for an engine of an adapter (model.lora)")
+        return adapter
 
     def _load_buckets(self, version: int, source: BucketStream) -> None:
         import torch
@@ -618,6 +646,14 @@ class HFEngine(RolloutEngine):
         from relax_hpc.errors import SnapshotError
         from relax_hpc.weights import copy_state_into
 
+        if self.merger is not None:  # an adapter: small, merged as a whole
+            state: dict[str, Any] = {}
+            for bucket in source.buckets():
+                state.update(bucket)
+            self._adapter(state)
+            self.merger.apply(state)
+            self.version = int(version)
+            return
         dest = self.model.state_dict()
         seen: set[int] = set()
         names: set[str] = set()
@@ -864,5 +900,6 @@ def from_config(cfg: Any, *, device: str | None, seed: int, tokenizer: Any, mode
     slots = 0 if shared else r.batch_prompts * r.n_samples
     return HFEngine(model, tokenizer, r.sampling, device=dev, batch_prompts=r.batch_prompts, seed=seed,
                     decoder=r.hf_decoder if r.engine == "hf" else "auto", shared=shared, threaded=not shared,
-                    slots=slots, slot_length=cfg.data.max_prompt_tokens + r.sampling.max_new_tokens)
+                    slots=slots, slot_length=cfg.data.max_prompt_tokens + r.sampling.max_new_tokens,
+                    lora=cfg.model.lora)
 

@@ -102,6 +102,12 @@ class TrainerBackend(ABC):
         """The ``generation_config.json`` content, if the model has one (None: derived from the config)."""
         return None
 
+    def adapter_config(self) -> dict[str, Any] | None:
+        """Training a LoRA adapter (``model.lora``): ``{"config": adapter_config.json content, "base": {"path",
+        "sha256"}}``, and then ``full_state_dict`` holds only the adapter's tensors (under PEFT's file names). None:
+        full weights."""
+        return None
+
     def generation_model(self) -> Any | None:
         """The live module an in-process engine may generate with (colocate shares it); None if there is none."""
         return None

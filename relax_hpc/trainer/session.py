@@ -212,7 +212,8 @@ class TrainerSession:
             if self.publisher.is_new(version):  # never trips over a version already on disk
                 self.publisher.publish(sd, version=version, step=self.trainer.step,
                                        model_config=self.trainer.hf_config(),
-                                       generation_config=self.trainer.generation_config())
+                                       generation_config=self.trainer.generation_config(),
+                                       adapter=self.trainer.adapter_config())
         return time.perf_counter() - t0
 
     def export(self) -> None:

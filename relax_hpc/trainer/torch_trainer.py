@@ -59,6 +59,18 @@ class TorchBackend(TrainerBackend):
         self.world_size = world_size
         self.rank = rank
         self.dp_rank, self.dp_size = rank, world_size  # FSDP: every rank is a data-parallel replica
+        self.lora = cfg.model.lora is not None
+        """Training low-rank adapters (``model.lora``): ``model`` becomes a ``PeftModel`` around the same module."""
+        self.base: dict[str, str] | None = None
+        """With ``model.lora``: the base model's path and weights' sha256 (named in every adapter snapshot)."""
+        if self.lora:
+            from relax_hpc.errors import UserError
+            from relax_hpc.models.lora import apply_lora, base_identity
+
+            if world_size > 1:
+                raise UserError("model.lora: one trainer rank only for now (trainer.num_ranks: 1)")
+            self.base = base_identity(model, cfg.model.path)
+            model = apply_lora(model, cfg.model.lora)
         self.model = model
         if world_size > 1:
             self.model = _fully_shard(model)
@@ -321,6 +333,10 @@ class TorchBackend(TrainerBackend):
         weight hand-over, so one rank takes the plain state dict."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self.lora and self.world_size == 1:  # the adapter only (its tensors are fresh copies on the CPU)
+            from relax_hpc.models.lora import adapter_state
+
+            return {k: v.clone() for k, v in adapter_state(self.model).items()} if copy else adapter_state(self.model)
         if self.world_size == 1:
             sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
             return self.detached(sd) if copy else sd
@@ -359,12 +375,19 @@ class TorchBackend(TrainerBackend):
     def hf_config(self) -> dict[str, Any]:
         return dict(self.model.config.to_dict())
 
+    def adapter_config(self) -> dict[str, Any] | None:
+        if not self.lora:
+            return None
+        from relax_hpc.models.lora import adapter_config
+
+        return {"config": adapter_config(self.model), "base": self.base}
+
     def generation_config(self) -> dict[str, Any] | None:
         gen = getattr(self.model, "generation_config", None)
         return None if gen is None else dict(gen.to_dict())
 
     def generation_model(self) -> Any:
-        return self.model
+        return self.model.get_base_model() if self.lora else self.model  # the HF module (adapters injected)
 
     def host_copy_async(self, *, optimizer: bool = False) -> HostCopy | None:
         """One GPU rank training the HF module itself: pinned copies on a side stream (:class:`PinnedCopier`)."""
@@ -375,6 +398,12 @@ class TorchBackend(TrainerBackend):
         return self._copier.copy(self.model, self.optimizer if optimizer else None)
 
     def export_hf(self, path: Path | str, tokenizer: Any) -> None:
+        if self.lora:  # the adapter folder (PEFT's files); merged into the base by a later export
+            Path(path).mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+            return
         sd = self.full_state_dict()
         if self.rank != 0:
             return
@@ -386,9 +415,23 @@ class TorchBackend(TrainerBackend):
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.lora and self.world_size == 1:  # the adapter (and modules_to_save) and their optimizer state
+            from relax_hpc.models.lora import trainable_state
+
+            return trainable_state(self.model), self.full_optimizer_state()
         return self.full_state_dict(), self.full_optimizer_state()
 
     def load_checkpoint_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
+        if self.lora and self.world_size == 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            from relax_hpc.models.lora import load_trainable_state
+
+            load_trainable_state(self.model, model_sd)
+            if optim_sd is not None:
+                set_optimizer_state_dict(self.model, self.optimizer, optim_sd,
+                                         options=StateDictOptions(full_state_dict=True))
+            return
         self.load_full_state(model_sd, optim_sd)
 
     def full_optimizer_state(self) -> dict[str, Any]:
