@@ -59,6 +59,7 @@ from relax_hpc.config.trainer import (
 from relax_hpc.config.warmup import SFTWarmupConfig
 from relax_hpc.config.weights import (
     AutoTransport,
+    DeltaConfig,
     FilesTransport,
     MemoryTransport,
     ProcessGroupTransport,
@@ -79,6 +80,7 @@ __all__ = [
     "AlgorithmConfig",
     "AutoTransport",
     "DataConfig",
+    "DeltaConfig",
     "DistillAlgorithmConfig",
     "DistillConfig",
     "EnvConfig",
