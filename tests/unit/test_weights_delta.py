@@ -122,9 +122,9 @@ def test_corrupted_base_falls_back_to_newest_intact_full_version(tmp_path: Path)
 def test_missing_base_is_an_error_not_a_vanished_file(tmp_path: Path) -> None:
     import shutil
 
-    rd, states = _published(tmp_path, 3)
+    rd, _ = _published(tmp_path, 3)
     shutil.rmtree(rd.snapshot(1))
-    with pytest.raises(SnapshotError, match="base snapshot .* is missing"):
+    with pytest.raises(SnapshotError, match=r"base snapshot .* is missing"):
         load_snapshot(rd.snapshot(3))
     with pytest.raises(SnapshotError, match="missing"):
         SnapshotReader(rd).load()  # nothing intact is left: one clear error, no retry loop
