@@ -1,6 +1,7 @@
 """Weight-snapshot throughput against the raw bandwidth of the same folder.
 
-``python -m relax_hpc.bench.snapshots [--dir DIR] [--gb 1.0] [--repeat 3] [--json]``
+``python -m relax_hpc.bench.snapshots [--dir DIR] [--gb 1.0] [--repeat 3] [--json]``; with ``--delta``: delta
+snapshots vs full ones on consecutive versions of real training runs (:mod:`relax_hpc.bench.delta`).
 
 A state dict shaped like a small LLM (bf16 matrices, fp32 norms) is published with :class:`SnapshotPublisher` and
 loaded with :class:`SnapshotReader` inside a temporary run dir under ``DIR``. "Raw" is the same number of bytes written
@@ -19,6 +20,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -156,7 +158,13 @@ def run(folder: Path, gb: float, repeat: int, device: str = "cpu", max_file_mb: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; prints a table or, with ``--json``, one JSON object."""
+    """Command-line entry point; prints a table or, with ``--json``, one JSON object. ``--delta``: delta snapshots
+    vs full ones instead (:mod:`relax_hpc.bench.delta`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--delta" in argv:
+        from relax_hpc.bench import delta
+
+        return delta.main([a for a in argv if a != "--delta"])
     ap = argparse.ArgumentParser(prog="python -m relax_hpc.bench.snapshots", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path("."), help="folder to measure (a temporary subfolder is used)")
     ap.add_argument("--gb", type=float, default=1.0, help="size of the state dict in GB (default 1.0)")

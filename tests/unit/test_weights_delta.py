@@ -172,6 +172,15 @@ def test_delta_version_materialises_into_an_hf_folder(tmp_path: Path) -> None:
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=IDS).logits, model(input_ids=IDS).logits)
     assert load_snapshot(out)[1]["version"] == 2
+    # a server engine's update-from-disk gets the same: the delta materialised into its views folder
+    from relax_hpc.rollout.server.base import loadable_view
+
+    view = loadable_view(folder, tmp_path / "views", tmp_path / "no-start-dir")
+    assert view == tmp_path / "views" / folder.name and (view / "model.safetensors").is_file()
+    served = AutoModelForCausalLM.from_pretrained(view, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(served(input_ids=IDS).logits, model(input_ids=IDS).logits)
+    assert loadable_view(rd.snapshot(1), tmp_path / "views", tmp_path / "no-start-dir") == rd.snapshot(1)
 
 
 def test_delta_config_is_off_by_default_and_validated() -> None:

@@ -497,32 +497,9 @@ class ServerEngine(RolloutEngine):
         return folder
 
     def _loadable(self, folder: Path) -> Path:
-        """``folder`` if a server can load it as a model (config.json present), else a view of it: links to its
-        files plus the config (from the manifest's model_config, else the start folder's); older views go."""
-        if (folder / "config.json").exists():
-            return folder
-        import json
-        import shutil
-
-        root = self.setup.views or self.setup.record.parent / self.setup.name / "views"
-        view = root / folder.name
-        if not (view / "config.json").exists():
-            view.mkdir(parents=True, exist_ok=True)
-            for f in folder.iterdir():
-                if f.suffix == ".safetensors" and not (view / f.name).exists():
-                    (view / f.name).symlink_to(f.resolve())
-            conf: dict[str, Any] = {}
-            if (folder / "manifest.json").exists():
-                conf = json.loads((folder / "manifest.json").read_text()).get("model_config") or {}
-            if conf:
-                (view / "config.json").write_text(json.dumps(conf, indent=1))
-            else:
-                shutil.copy2(self.setup.model_dir / "config.json", view / "config.json")
-            if (self.setup.model_dir / "generation_config.json").exists():
-                shutil.copy2(self.setup.model_dir / "generation_config.json", view / "generation_config.json")
-        for old in sorted(p for p in root.iterdir() if p.name != view.name)[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
-        return view
+        """``folder`` if a server can load it as a model, else a view of it (:func:`loadable_view`)."""
+        return loadable_view(folder, self.setup.views or self.setup.record.parent / self.setup.name / "views",
+                             self.setup.model_dir)
 
     async def _receive_distributed(self, version: int, source: DistributedSource) -> None:
         try:
@@ -587,6 +564,41 @@ class ServerEngine(RolloutEngine):
         with contextlib.suppress(ValueError):
             return r.json()
         return None
+
+
+def loadable_view(folder: Path, root: Path, model_dir: Path) -> Path:
+    """``folder`` if a server can load it as a model (config.json present), else a view of it under ``root``: links
+    to its files plus the config (from the manifest's model_config, else ``model_dir``'s); a delta snapshot is
+    materialised there instead (a full HF folder, reconstructed and verified). Older views go (two stay)."""
+    if (folder / "config.json").exists():
+        return folder
+    import json
+    import shutil
+
+    view = root / folder.name
+    manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
+    if not (view / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        if (manifest.get("delta") or {}).get("base") is not None:
+            from relax_hpc.weights.materialise import materialise
+
+            shutil.rmtree(view, ignore_errors=True)
+            materialise(folder, view)
+        else:
+            view.mkdir(parents=True, exist_ok=True)
+            for f in folder.iterdir():
+                if f.suffix == ".safetensors" and not (view / f.name).exists():
+                    (view / f.name).symlink_to(f.resolve())
+            conf: dict[str, Any] = manifest.get("model_config") or {}
+            if conf:
+                (view / "config.json").write_text(json.dumps(conf, indent=1))
+        if not (view / "config.json").exists():
+            shutil.copy2(model_dir / "config.json", view / "config.json")
+        if (model_dir / "generation_config.json").exists() and not (view / "generation_config.json").exists():
+            shutil.copy2(model_dir / "generation_config.json", view / "generation_config.json")
+    for old in sorted(p for p in root.iterdir() if p.name != view.name)[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
+    return view
 
 
 def _verify_folder(folder: Path, verify: str) -> None:
