@@ -133,7 +133,8 @@ def measure(states: list[dict[str, Any]], root: Path, every_full: int, max_fract
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="relax-hpc bench snapshots --delta", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lr", type=float, action="append", help="demo runs at these learning rates (default 1e-6)")
+    ap.add_argument("--lr", type=float, action="append",
+                    help="demo runs at these learning rates (default: 1e-6 unless --from is given)")
     ap.add_argument("--steps", type=int, default=12, help="RL steps of each demo run (default 12)")
     ap.add_argument("--from", dest="runs", type=Path, action="append", default=[], help="measure this run dir too")
     ap.add_argument("--gb", type=float, default=0.25, help="size of the synthetic model (0: skip; default 0.25)")
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-delta-") as tmp:
         root = Path(tmp)
-        runs = [(f"demo lr={lr:g}", train_versions(lr, args.steps, root)) for lr in (args.lr or [1e-6])]
+        lrs = args.lr if args.lr is not None else ([] if args.runs else [1e-6])
+        runs = [(f"demo lr={lr:g}", train_versions(lr, args.steps, root)) for lr in lrs]
         runs += [(f"run {r}", r) for r in args.runs]
         for label, run in runs:
             out[label] = measure(run_versions(run), root, args.every_full, args.max_fraction)
