@@ -13,8 +13,8 @@ Two sources of consecutive versions:
 Each source's versions are published three times into fresh run dirs under ``--dir``: full (no delta), delta with
 ``xor-zstd`` and with ``sparse`` (``every_full``, ``max_fraction`` as given). Reported per source: the fraction of
 elements and bytes changed per step (median, max), bytes written per version (mean over all versions including
-the full bases), publish seconds per version, and reconstruct rate (GB of full state per second, every version
-loaded and verified with sha256; page cache warm).
+the full bases) and of the deltas alone, publish seconds per version (median), and reconstruct rate (GB of full
+state per second, median over versions, each loaded and verified with sha256; page cache warm).
 """
 
 from __future__ import annotations
@@ -111,15 +111,21 @@ def publish_all(states: list[dict[str, Any]], root: Path, policy: Any) -> dict[s
         written.append(m["total_bytes"])
         full = max(full, (m.get("delta") or {}).get("full_bytes", m["total_bytes"]))
     pub.wait_housekeeping()
-    load_s = []
+    load_s, delta_load_s, delta_sizes = [], [], []
     for i in range(1, len(states) + 1):
         t0 = time.perf_counter()
         load_snapshot(rd.snapshot(i))
         load_s.append(time.perf_counter() - t0)
-    deltas = sum(1 for i in range(1, len(states) + 1) if read_manifest(rd.snapshot(i)).get("delta"))
-    return {"bytes_per_version": statistics.mean(written), "of_full": statistics.mean(written) / full,
-            "deltas": deltas, "versions": len(states), "publish_s": statistics.median(pub_s),
-            "reconstruct_gb_s": full / 1e9 / statistics.median(load_s), "full_bytes": full}
+        if read_manifest(rd.snapshot(i)).get("delta"):
+            delta_load_s.append(load_s[-1])
+            delta_sizes.append(written[i - 1])
+    res = {"bytes_per_version": statistics.mean(written), "of_full": statistics.mean(written) / full,
+           "deltas": len(delta_sizes), "versions": len(states), "publish_s": statistics.median(pub_s),
+           "reconstruct_gb_s": full / 1e9 / statistics.median(load_s), "full_bytes": full}
+    if delta_sizes:  # the deltas alone (without the full bases between them)
+        res.update(delta_of_full=statistics.mean(delta_sizes) / full,
+                   delta_reconstruct_gb_s=full / 1e9 / statistics.median(delta_load_s))
+    return res
 
 
 def measure(states: list[dict[str, Any]], root: Path, every_full: int, max_fraction: float) -> dict[str, Any]:
@@ -172,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             r = res[kind]
             print(f"  {kind:>9}: {r['bytes_per_version'] / 1e6:10.3f} MB/version ({r['of_full']:.1%} of full, "
                   f"{r['deltas']}/{r['versions']} deltas), publish {r['publish_s'] * 1e3:8.1f} ms, "
-                  f"reconstruct {r['reconstruct_gb_s']:.2f} GB/s")
+                  f"reconstruct {r['reconstruct_gb_s']:.2f} GB/s"
+                  + (f"; deltas alone {r['delta_of_full']:.1%} of full, reconstructed at "
+                     f"{r['delta_reconstruct_gb_s']:.2f} GB/s" if "delta_of_full" in r else ""))
     return 0
 
 
