@@ -17,8 +17,8 @@ delta. The publisher writes a full version every ``every_full`` versions and whe
 ``max_fraction`` of the full size; retention keeps every base a kept (or leased) delta needs.
 
 A delta folder is not itself an HF model folder: :func:`relax_hpc.weights.materialise.materialise` writes
-the reconstructed version as one (``relax-hpc export`` of a delta version, and the on-read materialisation for
-server engines' update-from-disk).
+the reconstructed version as one (the on-read materialisation for server engines' update-from-disk, and for a
+user who wants a delta version as a model folder).
 """
 
 from __future__ import annotations

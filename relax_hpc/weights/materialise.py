@@ -2,7 +2,8 @@
 
 A server engine (vLLM, SGLang) reloads weights from a folder of safetensors files; a delta version has only
 ``delta.bin``. The rollout worker driving such a server materialises the version into a folder of its own (on
-node-local disk when it has one) and points the server there; ``relax-hpc export`` does the same for a user.
+node-local disk when it has one) and points the server there
+(:func:`relax_hpc.rollout.server.base.loadable_view`); a user can call it to get any version as a model folder.
 """
 
 from __future__ import annotations
