@@ -137,7 +137,7 @@ def encode_delta(state: Mapping[str, torch.Tensor], base: Mapping[str, np.ndarra
         raw = _bytes(t)
         used, data = encode_tensor(raw, base.get(name), t.element_size(), codec)
         pieces[name] = {"file": DELTA_FILE, "key": name, "codec": used, "offset": offset, "bytes": len(data),
-                        "sha256": hashlib.sha256(raw).hexdigest()}
+                        "sha256": hashlib.sha256(raw.data).hexdigest()}
         payloads.append(data)
         offset += len(data)
     return payloads, pieces
@@ -182,7 +182,7 @@ def apply_delta(folder: Path, manifest: dict[str, Any], base_state: Mapping[str,
             out = decode_tensor(p["codec"], view[p["offset"]:p["offset"] + p["bytes"]], base_raw, nbytes, itemsize)
         except (SnapshotError, KeyError, TypeError, ValueError) as exc:
             raise SnapshotError(f"{folder / DELTA_FILE}: tensor {name!r}: {exc}") from exc
-        if hashlib.sha256(out).hexdigest() != p.get("sha256"):
+        if hashlib.sha256(out.data).hexdigest() != p.get("sha256"):
             raise SnapshotError(f"{folder}: tensor {name!r} reconstructed from base v{base_of(manifest):06d} does not "
                                 "match its sha256: corrupt delta or base")
         state[name] = torch.from_numpy(out).view(dtype).reshape(shape)
