@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 Codec = Literal["xor-zstd", "sparse"]
 DELTA_FILE = "delta.bin"
+PARALLEL_BYTES = 4 << 20
+"""Delta versions of models larger than this are decoded on several threads."""
 _LEVEL = 1
 """zstd level: 1 packs XOR deltas within a few per cent of level 3 at twice the speed (see bench weights --delta)."""
 
@@ -160,7 +163,7 @@ def apply_delta(folder: Path, manifest: dict[str, Any], base_state: Mapping[str,
     every tensor is checked against the sha256 of its reconstructed bytes."""
     import torch
 
-    from relax_hpc.weights.format import torch_dtype
+    from relax_hpc.weights.format import hash_threads, torch_dtype
 
     entry = manifest["files"][0]
     data = (folder / entry["name"]).read_bytes()
@@ -170,8 +173,8 @@ def apply_delta(folder: Path, manifest: dict[str, Any], base_state: Mapping[str,
     if verify == "sha256" and hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise SnapshotError(f"{folder / entry['name']}: sha256 does not match the manifest: corrupt delta")
     view = memoryview(data)
-    state: dict[str, torch.Tensor] = {}
-    for name, t in manifest["tensors"].items():
+
+    def one(name: str, t: dict[str, Any]) -> torch.Tensor:
         p = t["pieces"][0]
         dtype, shape = torch_dtype(t["dtype"]), [int(d) for d in t["shape"]]
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -185,7 +188,16 @@ def apply_delta(folder: Path, manifest: dict[str, Any], base_state: Mapping[str,
         if hashlib.sha256(out.data).hexdigest() != p.get("sha256"):
             raise SnapshotError(f"{folder}: tensor {name!r} reconstructed from base v{base_of(manifest):06d} does not "
                                 "match its sha256: corrupt delta or base")
-        state[name] = torch.from_numpy(out).view(dtype).reshape(shape)
+        return torch.from_numpy(out).view(dtype).reshape(shape)
+
+    # zstd, numpy's XOR and sha256 release the GIL: tensors are decoded on several threads (not for small models)
+    items = list(manifest["tensors"].items())
+    threads = hash_threads() if int(manifest["delta"].get("full_bytes", 0)) > PARALLEL_BYTES else 1
+    if threads == 1:
+        return {name: one(name, t) for name, t in items}
+    with ThreadPoolExecutor(threads, thread_name_prefix="delta") as pool:
+        futures = [(name, pool.submit(one, name, t)) for name, t in items]
+        state = {name: f.result() for name, f in futures}
     return state
 
 
