@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.bench.common import DEMO_RECIPE
+from relax_hpc.bench.common import DEMO_RECIPE, model_like_state_dict
 
 
 def train_versions(lr: float, steps: int, root: Path) -> Path:
@@ -58,7 +58,6 @@ def synthetic_versions(gb: float, n: int, lr: float) -> list[dict[str, Any]]:
     """``n`` versions of a model-shaped state dict: Adam-like steps on fp32 masters, published as bf16."""
     import torch
 
-    from relax_hpc.bench.snapshots import model_like_state_dict
 
     base = model_like_state_dict(gb)
     g = torch.Generator().manual_seed(1)
