@@ -9,6 +9,11 @@ them (the trainer session; a rollout worker's metrics too).
   ``monitor.reward_error_alert``): one ``reward_errors`` alert.
 * Responses cut at ``max_new_tokens`` (``rollout/truncated_fraction`` above ``monitor.truncation_alert``): one
   ``responses_truncated`` alert.
+* A train/rollout mismatch that jumps (``train/mismatch_kl``, its on-policy ``staleness_0`` part where given, above
+  ``MISMATCH_JUMP`` times the median of the previous records and above ``MISMATCH_FLOOR``, or above
+  ``MISMATCH_CEILING`` at any time): one ``mismatch_jump`` alert. The engine then samples from other weights than
+  the trainer holds (a broken or partial weight sync, a dtype or kernel change), and importance sampling is
+  correcting a difference it was not meant for.
 
 Alerts are ``alert`` records in the role's event log (the monitor shows them and sends them to ``alert_urls``).
 """
@@ -29,6 +34,14 @@ WINDOW = 5
 """Metric records the reward-error and truncation fractions are taken over."""
 MIN_SAMPLES = 16
 """Fewer samples than this in the window raise no fraction alert (too little to judge)."""
+MISMATCH_JUMP = 10.0
+"""A mismatch KL this many times the median of the previous records is a jump."""
+MISMATCH_FLOOR = 1e-3
+"""...when it is also above this (float32 numerics sit near 1e-7, bf16 near 1e-4)."""
+MISMATCH_CEILING = 0.1
+"""A mismatch KL above this alerts even without history (a weight sync broken from the first step)."""
+MISMATCH_KEYS = ("train/mismatch_kl/staleness_0", "train/mismatch_kl")
+"""The first present is judged: the on-policy part in fully_async, where staleness adds a real policy change."""
 
 
 class NonFiniteError(RelaxError):
@@ -51,6 +64,7 @@ class RunHealth:
         self.in_a_row = 0
         self.fired: set[str] = set()
         self._window: collections.deque[dict[str, float]] = collections.deque(maxlen=WINDOW)
+        self._mismatch: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
     def _alert(self, event: str, message: str, step: int | None) -> None:
         if event in self.fired:
@@ -65,7 +79,22 @@ class RunHealth:
         extra = self._nonfinite(metrics, step)
         self._window.append(metrics)
         self._fractions(step)
+        self._mismatch_jump(metrics, step)
         return extra
+
+    def _mismatch_jump(self, metrics: dict[str, float], step: int | None) -> None:
+        key = next((k for k in MISMATCH_KEYS if k in metrics), None)
+        if key is None or not math.isfinite(kl := float(metrics[key])):
+            return
+        history = sorted(self._mismatch)
+        self._mismatch.append(kl)
+        base = history[len(history) // 2] if history else None
+        jumped = base is not None and kl > MISMATCH_FLOOR and kl > MISMATCH_JUMP * base
+        if jumped or kl > MISMATCH_CEILING:
+            was = f"from a median of {base:.3g} over the last {len(history)} records" if history else "at once"
+            self._alert("mismatch_jump", f"{key} = {kl:.3g} at step {step} ({was}): the rollout engine samples "
+                        "from other weights than the trainer holds (check the weight sync, the engine's dtype and "
+                        "kernels)", step)
 
     def _nonfinite(self, metrics: dict[str, float], step: int | None) -> dict[str, float]:
         bad = {k: metrics[k] for k in NONFINITE_KEYS if k in metrics and not math.isfinite(float(metrics[k]))}

@@ -17,6 +17,7 @@ Layout::
       samples/consumers/<name>/     a consumer group's committed read position and per-step batch plans
       weights/vNNNNNN/              published weight snapshots (safetensors + manifest.json + COMPLETE)
       weights/LATEST                the newest complete snapshot's version (one small read)
+      eval/vNNNNNN.json             held-out evaluation of weights version N (+ .samples.jsonl, one line a sample)
       weights/leases/               readers' leases on snapshots they are loading
       weights/pins/                 pinned versions, never deleted by retention
       checkpoints/step_NNNNNNNN/    trainer checkpoints (COMPLETE marker); checkpoints/LATEST
@@ -183,6 +184,19 @@ class RunDir:
         The name starts with the debris prefix, so a folder left by a killed attempt is cleaned up later.
         """
         return self.weights / f"{TMP_PREFIX}v{version:06d}.parts-{token}"
+
+    # ---------------------------------------------------------------- evaluation
+    @property
+    def evals(self) -> Path:
+        """Held-out evaluations: ``vNNNNNN.json`` (the metrics of weights version N, written once, atomically) and
+        ``vNNNNNN.samples.jsonl`` (one line per sample: prompt index, source, response, reward, version)."""
+        return self.root / "eval"
+
+    def eval_summary(self, version: int) -> Path:
+        return self.evals / f"v{version:06d}.json"
+
+    def eval_samples(self, version: int) -> Path:
+        return self.evals / f"v{version:06d}.samples.jsonl"
 
     # ---------------------------------------------------------------- checkpoints
     @property

@@ -1,4 +1,4 @@
-"""``relax-hpc bench learning``: colocate vs fully_async final reward on the demo recipe, over several seeds.
+"""``relax-hpc bench learning``: colocate vs fully_async final reward (and held-out accuracy) over several seeds.
 
 Runs the recipe (default ``recipes/demo.yaml``, its own ``num_steps``) once per mode and seed, one run at a time, as
 the demo runs it (local processes, no pinning: colocate is one process on every core, fully_async a trainer and the
@@ -8,6 +8,11 @@ Per mode: the mean over seeds and its standard error; then the difference of the
 the difference, and ``same_within_noise`` = the difference is within two of those standard errors. The seeds are
 the recipe's ``seed`` (the data order, the initial weights and the warm-up); the rollout workers of fully_async
 also seed their sampling from the clock, so no two fully_async runs are alike.
+
+With an ``eval`` section in the recipe, each run also reports its held-out evaluation (``eval/vNNNNNN.json``): the
+first and last ``eval/accuracy`` (and ``eval/accuracy_thresholded``) with their weight versions and the whole curve,
+plus the largest ``train/mismatch_kl`` of any step and the run's wall time. ``--modes`` picks the modes (a proof of
+one mode at a time); ``--dry-run`` validates every run's recipe and checks its held-out set, and runs nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 import signal
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +53,25 @@ def run_figures(run: ModeRun, *, last: int, mid: int) -> dict[str, Any]:
         "step_s_median": statistics.median(times) if times else float("nan"),
         "stale_dropped_per_step": sum(metric_value(by_step[s], "rollout/stale_dropped") for s in steps)
         / len(steps),
+        "mismatch_kl_max": max((metric_value(by_step[s], "train/mismatch_kl") for s in steps), default=float("nan")),
+        **eval_figures(run.run_dir),
     }
+
+
+def eval_figures(run_dir: Any) -> dict[str, Any]:
+    """The run's held-out evaluations: first and last accuracy with their versions, and the curve."""
+    from relax_hpc.eval.evaluator import read_results
+
+    evals = read_results(run_dir)
+    if not evals:
+        return {}
+    first, last = min(evals), max(evals)
+    return {"eval_first_version": first, "eval_last_version": last,
+            "eval_first_accuracy": evals[first].get("eval/accuracy", float("nan")),
+            "eval_last_accuracy": evals[last].get("eval/accuracy", float("nan")),
+            "eval_first_correct": evals[first].get("eval/accuracy_thresholded", float("nan")),
+            "eval_last_correct": evals[last].get("eval/accuracy_thresholded", float("nan")),
+            "eval_curve": {str(v): evals[v].get("eval/accuracy_thresholded", float("nan")) for v in sorted(evals)}}
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -61,6 +85,8 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 def compare(per_run: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The per-mode means over seeds and the difference between the modes."""
     res: dict[str, Any] = {}
+    if any(not per_run.get(m) for m in MODES):
+        return {}  # one mode only: nothing to compare
     for mode in MODES:
         for key in ("final_reward", "mid_reward"):
             m, se = mean_se([r[key] for r in per_run[mode]])
@@ -87,7 +113,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="folder for the run dirs (default: a new temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the run dirs (and write result.json beside them)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="limit for each run")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run (default: both)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate each run's recipe and check its held-out set; run nothing")
     a = p.parse_args(argv)
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not a.modes or any(m not in MODES for m in a.modes):
+        p.error(f"--modes takes {' and/or '.join(MODES)}, got {','.join(a.modes) or 'nothing'}")
     try:
         a.seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     except ValueError:
@@ -109,17 +141,22 @@ def main(argv: list[str] | None = None) -> int:
     common = ([f"num_steps={a.steps}"] if a.steps else []) + a.overrides
     dirs = ScratchDirs(a.out, keep=a.keep, prefix="relax-bench-learning-")
 
+    if a.dry_run:
+        return dry_run(recipe, common, a)
+
     def body() -> dict[str, Any]:
         num_steps = load_recipe(recipe, common).num_steps
         mid = a.mid or max(1, num_steps * 3 // 8)
         res: dict[str, Any] = {"benchmark": "learning", "recipe": str(recipe), "overrides": common, "seeds": a.seeds,
                                "num_steps": num_steps, "last": a.last, "mid": mid}
-        per_run: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+        per_run: dict[str, list[dict[str, Any]]] = {m: [] for m in a.modes}
         for seed in a.seeds:
-            for mode in MODES:
+            for mode in a.modes:
+                t0 = time.monotonic()
                 run = run_mode(recipe, [*common, f"mode={mode}", f"seed={seed}"], dirs.new(f"{mode}-seed{seed}"),
                                timeout_s=a.timeout_s)
-                per_run[mode].append({"seed": seed, **run_figures(run, last=a.last, mid=mid)})
+                per_run[mode].append({"seed": seed, **run_figures(run, last=a.last, mid=mid),
+                                      "wall_s": time.monotonic() - t0})
         return {**res, "runs": per_run, **compare(per_run)}
 
     res = run_guarded(body, dirs)
@@ -128,13 +165,45 @@ def main(argv: list[str] | None = None) -> int:
     return report(res, dirs, as_json=a.json, text=print_text)
 
 
+def dry_run(recipe: Path, common: list[str], a: argparse.Namespace) -> int:
+    """Validate every run of the benchmark (recipe, overrides, the model folder, the held-out set); run nothing."""
+    from relax_hpc.config.load import load_recipe
+    from relax_hpc.errors import UserError
+
+    try:
+        for seed in a.seeds:
+            for mode in a.modes:
+                cfg = load_recipe(recipe, [*common, f"mode={mode}", f"seed={seed}"])
+                held = ""
+                if cfg.eval is not None:
+                    from relax_hpc.eval.heldout import load_heldout
+                    from relax_hpc.models.load import load_tokenizer
+
+                    n = len(load_heldout(cfg, load_tokenizer(cfg.model)).prompts)
+                    held = f", {n} held-out prompts checked against the training data"
+                print(f"ok: {mode} seed {seed}: {cfg.num_steps} steps, model {cfg.model.path}{held}")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def print_text(res: dict[str, Any]) -> None:
     print(f"{res['recipe']}: {res['num_steps']} steps per run, final reward = mean of the last {res['last']} steps")
     print(f"{'mode':12s} {'seed':>4s} {'first 10':>9s} {'mid':>6s} {'final':>6s} {'step s':>7s} {'stale/step':>10s}")
-    for mode in MODES:
-        for r in res["runs"][mode]:
+    for mode, runs in res["runs"].items():
+        for r in runs:
             print(f"{mode:12s} {r['seed']:4d} {r['first_reward']:9.3f} {r['mid_reward']:6.3f} {r['final_reward']:6.3f} "
                   f"{r['step_s_median']:7.3f} {r['stale_dropped_per_step']:10.1f}")
+    for mode, runs in res["runs"].items():
+        for r in runs:
+            if "eval_first_accuracy" in r:
+                print(f"{mode:12s} seed {r['seed']}: eval accuracy {r['eval_first_accuracy']:.3f} "
+                      f"(v{r['eval_first_version']}) -> {r['eval_last_accuracy']:.3f} (v{r['eval_last_version']}); "
+                      f"correct {r['eval_first_correct']:.3f} -> {r['eval_last_correct']:.3f}; "
+                      f"mismatch KL max {r['mismatch_kl_max']:.3g}; wall {r['wall_s']:.0f}s")
+    if "final_reward_difference" not in res:
+        return
     for mode in MODES:
         print(f"{mode:12s} final {res[f'final_reward_{mode}']:.3f} +- {res[f'final_reward_stderr_{mode}']:.3f}, "
               f"mid {res[f'mid_reward_{mode}']:.3f} (mean +- s.e. over seeds)")

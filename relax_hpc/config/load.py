@@ -197,7 +197,8 @@ def validate_resolved(data: dict[str, Any]) -> RecipeConfig:
 
 
 def read_recipe_file(path: Path | str) -> dict[str, Any]:
-    """Read a recipe YAML file into a mapping (relative data paths are resolved against its folder)."""
+    """Read a recipe YAML file into a mapping (relative data paths, ``data.path`` and ``eval.data.path``, are
+    resolved against its folder)."""
     path = Path(path)
     try:
         st = path.stat()
@@ -217,11 +218,12 @@ def read_recipe_file(path: Path | str) -> dict[str, Any]:
     data = load_yaml_text(decode_recipe(raw, path), where=str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping of sections")
-    data_section = data.get("data")
-    if isinstance(data_section, dict) and isinstance(data_section.get("path"), str):
-        p = Path(data_section["path"]).expanduser()
-        if not p.is_absolute():
-            data_section["path"] = str((path.parent / p).resolve())
+    held_out = data.get("eval")
+    for data_section in (data.get("data"), held_out.get("data") if isinstance(held_out, dict) else None):
+        if isinstance(data_section, dict) and isinstance(data_section.get("path"), str):
+            p = Path(data_section["path"]).expanduser()
+            if not p.is_absolute():
+                data_section["path"] = str((path.parent / p).resolve())
     reward = data.get("reward")
     if isinstance(reward, dict) and isinstance(reward.get("name"), str):
         mod, sep, fn = reward["name"].rpartition(":")

@@ -95,6 +95,9 @@ class ServerConfig(Section):
     weight-transfer engine); any failure falls back to the files, logged as an event."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """Bound on one weight update of a server (either path) before it counts as failed."""
+    versions: str | None = None
+    """Server versions accepted at start (a PEP 440 specifier, ``">=0.5.10,<0.6"``); ``None`` = the releases the
+    engine was checked against (sglang ``>=0.5.10,<=0.5.23``, vllm ``>=0.32,<0.33``); ``""`` = any."""
 
 
 class RolloutBase(Section):
@@ -116,7 +119,7 @@ class RolloutBase(Section):
     """Sampling parameters."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where generation runs: the ``hf`` engine's model, or the servers of ``sglang`` / ``vllm`` (``cpu``: a CPU
-    server)."""
+    server; ``auto``: the GPU where there is one, else the CPU)."""
     env: EnvConfig | None = None
     """A multi-turn environment: every sample becomes an episode (None = single-turn prompts)."""
 

@@ -31,6 +31,7 @@ from relax_hpc.config.algorithm import (
 from relax_hpc.config.base import INT_LIMIT, SEED_LIMIT, Section, Variants
 from relax_hpc.config.data import MEDIA_OPTION_KEYS, DataConfig, MediaConfig, TaskConfig
 from relax_hpc.config.env import EnvConfig, SandboxConfig
+from relax_hpc.config.eval import EvalConfig
 from relax_hpc.config.launch import LaunchConfig, RoleResources
 from relax_hpc.config.model import ModelConfig, TinyModelConfig
 from relax_hpc.config.monitor import MonitorConfig
@@ -84,6 +85,7 @@ __all__ = [
     "DistillAlgorithmConfig",
     "DistillConfig",
     "EnvConfig",
+    "EvalConfig",
     "FilesTransport",
     "GRPOConfig",
     "HFRolloutConfig",
@@ -165,6 +167,8 @@ class RecipeConfig(Section):
     """Executor and Slurm resources."""
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     """Metrics sinks and alerts."""
+    eval: EvalConfig | None = None
+    """Evaluation on a held-out set during training (None = none); see :mod:`relax_hpc.config.eval`."""
 
     @model_validator(mode="after")
     def _env_warmup(self) -> RecipeConfig:

@@ -89,7 +89,7 @@ class TrainerBase(Section):
     into fused kernels with ``torch.compile`` instead of ~8 passes over ``[chunk, vocabulary]`` float32 tensors; the
     first micro-batches pay the compilation, and a compile failure falls back to the eager chunks with one warning.
     Ignored on the CPU. Opt-in (compilation costs the first steps); measured with ``compile_layers`` in
-    docs/benchmarks.md ("The compiled paths")."""
+    docs/benchmarks.md ("Real model shapes on one GPU")."""
     compile_layers: bool = False
     """On a GPU, ``torch.compile`` the model's decoder layers for the training forward and backward (fuses each
     layer's small elementwise kernels: RoPE, SiLU x up, residual adds, casts). Generation, checkpoints and exports keep

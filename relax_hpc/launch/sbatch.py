@@ -374,3 +374,27 @@ def render_sweep(sweep_dir: SweepDir | Path | str, cfg: RecipeConfig, num_runs: 
                    main=_role_step(cfg, role, []))
     return JobScript("sweep", "sweep_array", (role.name,), render_template("sweep", **ctx),
                      ranks=tuple(range(num_runs)))
+
+
+def render_eval_array(run_dir: RunDir | Path | str, cfg: RecipeConfig, versions: Sequence[int], *,
+                      extra_args: Sequence[str] = (), python: str | None = None,
+                      pythonpath: str | None = "auto") -> JobScript:
+    """``relax-hpc eval --executor slurm``: a job array over stored snapshots (array task id = version), each task
+    one ``relax-hpc eval RUN_DIR --snapshots vN`` with the resources of the role that generates (``launch.rollout``
+    in fully_async, ``launch.trainer`` in colocate). ``extra_args`` (``--set``/``--force``) go to every task."""
+    rd, rd_text, python, pythonpath = _prepare(run_dir, python, pythonpath)
+    if not versions or min(versions) < 0:
+        raise UserError(f"snapshot versions must be >= 0, got {list(versions)}")
+    spec = _ranges(versions)
+    from relax_hpc.roles.spec import mode_spec, resources, resources_where
+
+    generating = next(r for r in mode_spec(cfg).roles if r.generates)  # rollout (fully_async), colocate
+    res, where = resources(cfg, generating), resources_where(generating)
+    head = _job_head(rd.slurm, rd.slurm_output("eval", "%A_%a").name, array=spec)
+    comp = _directives(cfg, res, where, job_name=f"{cfg.name}-eval", ntasks=1, nodes=1, tasks_per_node=1, head=head,
+                       time_min=cfg.launch.time_min)
+    ctx = _context(cfg, rd_text, title=f"run {cfg.name!r}: evaluation of snapshots {spec} (one array task each)",
+                   python=python, pythonpath=pythonpath, components=[comp], extra_args=list(extra_args),
+                   main=_step(res, where, ["--ntasks=1"]))
+    return JobScript(f"eval-{spec.replace(',', '_')}"[:120], "eval_array", ("eval",),
+                     render_template("eval_array", **ctx), ranks=tuple(sorted(set(versions))))

@@ -425,22 +425,25 @@ def build_preprocessor(cfg: ModelConfig, tokenizer: Any) -> MultimodalPreprocess
     Qwen3-Omni: both and videos; others: None)."""
     if cfg.path == "tiny":
         return tiny_preprocessor(cfg.tiny.arch, tokenizer)
+    from pathlib import Path
+
     from transformers import AutoConfig
 
+    path = str(Path(cfg.path).expanduser()) if cfg.path.startswith("~") else cfg.path  # a local folder under ~
     try:
-        model_type = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code).model_type
+        model_type = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code).model_type
     except OSError as exc:
         raise UserError(f"model.path: cannot read the config of {cfg.path!r}: {str(exc).splitlines()[0]}") from exc
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        return MultimodalPreprocessor(tokenizer, image_processor=Qwen2VLImageProcessorPil.from_pretrained(cfg.path))
+        return MultimodalPreprocessor(tokenizer, image_processor=Qwen2VLImageProcessorPil.from_pretrained(path))
     if model_type in ("qwen3_vl", "qwen3_vl_moe"):
         return qwen3_vl_preprocessor(cfg, tokenizer)
     if model_type == "qwen2_audio":
         from transformers import WhisperFeatureExtractor
 
-        return MultimodalPreprocessor(tokenizer, feature_extractor=WhisperFeatureExtractor.from_pretrained(cfg.path))
+        return MultimodalPreprocessor(tokenizer, feature_extractor=WhisperFeatureExtractor.from_pretrained(path))
     if model_type in OMNI_MODEL_TYPES:
         return omni_preprocessor(cfg, tokenizer, model_type)
     return None

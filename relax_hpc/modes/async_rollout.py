@@ -25,6 +25,7 @@ import time
 from typing import Any, Literal
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.eval.hook import EvalHook
 from relax_hpc.events import EventLog, Heartbeat
 from relax_hpc.fsio import read_json, wait_for
 from relax_hpc.health import RunHealth
@@ -105,6 +106,7 @@ class RolloutWorker:
         self.watch = files_watch(run_dir.consumer_planned("trainer"), run_dir.weights_latest, run_dir.claims)
         self.pause_total = 0.0
         self.carried = PhaseTimer()  # pause and weight loads of cycles that ended in a reload, not yet logged
+        self.evals = EvalHook.for_rollout_worker(self)  # held-out evaluation of due snapshots (worker eval.worker)
 
     # ------------------------------------------------------------------------------------------ the loop
     def finished(self) -> bool:
@@ -136,6 +138,7 @@ class RolloutWorker:
         for k, v in self.carried.seconds.items():
             timer.add(k, v)
         self.carried.reset()
+        self.evals.on_weights(self.engine.version)
         with timer.phase("preprocess"):  # inline: the media are made now; with the pool: the wait for them
             batch = self.stream.next_batch(self.cfg.rollout.batch_prompts)
         res = self.driver.run_batch(batch, timer)
@@ -217,6 +220,7 @@ class RolloutWorker:
     def close(self) -> None:
         self.admission.release()
         self.driver.stop()
+        self.evals.at_end(self.sync)
         self.sync.close()
         self.driver.close()
         self.stream.close()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.eval.hook import EvalHook
 from relax_hpc.rundir import RunDir
 from relax_hpc.timing import PhaseTimer
 
@@ -86,6 +87,8 @@ class Colocate:
         self.sender = make_sender(cfg, self.session, run_dir=run_dir, rank=rank, device=str(r.policy.device),
                                   engine=self.engine, call=self.driver.call, events=r.events)
         self.sender.start(self.trainer.step)
+        self.evals = EvalHook.for_colocate(self)  # held-out evaluation when the engine gets new weights
+        self.evals.on_weights(self.trainer.step)
         if self.trainer.step == 0:
             self.session.publish()
         C.settle_gc()  # torch/transformers out of the collector; fewer young collections per step
@@ -112,6 +115,7 @@ class Colocate:
         self.session.version = self.trainer.step
         with timer.phase("sync"):  # the engine's weights in memory; the files when due (one GPU: in the background)
             self.sender.send(self.trainer.step, final=self.trainer.step == cfg.num_steps)
+        self.evals.on_weights(self.trainer.step)  # when due: on the engine, which now holds this version
         with timer.phase("checkpoint"):
             self._checkpoint_or_poll()
         metrics.update(prep.metrics)

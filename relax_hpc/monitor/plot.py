@@ -1,4 +1,5 @@
-"""Training curves of a run or a sweep as one PNG: reward, loss, throughput, staleness, trainer idle fraction.
+"""Training curves of a run or a sweep as one PNG: reward, loss, throughput, staleness, trainer idle fraction, the
+held-out evaluation and the train/rollout mismatch over steps.
 
 The trainer's metric records (``trainer-0`` or ``colocate-0``) are read in full; a step logged twice (a resumed run
 re-doing steps after its checkpoint) keeps its last value. Long curves are drawn faint with a centred moving
@@ -25,6 +26,8 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("tokens / s", (("perf/tokens_per_s", ""),)),
     ("staleness (policy versions)", (("rollout/staleness_mean", ""),)),
     ("trainer idle fraction (fully_async)", (("perf/train_idle_fraction", "trainer"),)),
+    ("held-out eval (weight version)", (("eval/accuracy", "mean reward"), ("eval/accuracy_thresholded", "correct"))),
+    ("train/rollout mismatch KL", (("train/mismatch_kl", ""),)),
 )
 """Panel title -> (metric name, series label) of each curve in it: metrics the trainer's log holds (a rollout
 worker's pauses are in its own log, ``perf/rollout_pause_time``, shown by ``relax-hpc monitor``)."""
@@ -64,6 +67,7 @@ def load_history(run_dir: RunDir | Path | str, label: str | None = None) -> Hist
     hist = History(label=label)
     path = next((rd.event_log(p) for p in TRAINER_PROCS if rd.event_log(p).is_file()), None)
     if path is None:
+        _add_evals(rd, hist)
         return hist
     for rec in JsonlTail(path).read():
         step, metrics = rec.get("step"), rec.get("metrics")
@@ -73,7 +77,17 @@ def load_history(run_dir: RunDir | Path | str, label: str | None = None) -> Hist
             v = as_float(value)
             if v is not None:
                 hist.series.setdefault(name, {})[step] = v
+    _add_evals(rd, hist)
     return hist
+
+
+def _add_evals(rd: RunDir, hist: History) -> None:
+    """The run's held-out evaluations (``eval/vNNNNNN.json``, whichever process wrote them), at their version."""
+    from relax_hpc.eval.evaluator import read_results
+
+    for version, metrics in read_results(rd).items():
+        for name, value in metrics.items():
+            hist.series.setdefault(name, {})[version] = value
 
 
 def smooth_curve(values: list[float], window: int | None = None) -> list[float]:
@@ -110,8 +124,12 @@ def plot_histories(histories: list[History], out: Path | str | None = None, *, t
     from matplotlib.lines import Line2D
 
     sweep = len(histories) > 1
-    fig = Figure(figsize=(15, 8.5), layout="constrained")
-    axes = fig.subplots(2, 3, sharex=True).ravel()
+    rows = -(-len(PANELS) // 3)
+    fig = Figure(figsize=(15, 4.25 * rows), layout="constrained")
+    grid = fig.subplots(rows, 3, sharex=True).ravel()
+    for spare in grid[len(PANELS):]:
+        spare.remove()
+    axes = grid[:len(PANELS)]
     colors = [f"C{i % 10}" for i in range(len(histories))]
     raw_alpha = 0.12 if sweep else 0.3  # many faint raw curves would hide the smoothed ones
     for ax, (panel, curves) in zip(axes, PANELS, strict=True):
@@ -140,11 +158,11 @@ def plot_histories(histories: list[History], out: Path | str | None = None, *, t
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")
         if "idle fraction" in panel:
             ax.set_ylim(0, min(1.02, max(0.1, top * 1.2)))  # a fraction: from 0, but not squashed flat
-            if drawn:
-                ax.legend(handles=[Line2D([], [], color="black" if sweep else colors[0], linestyle=st, label=s)
-                                   for (_, s), st in zip(curves, LINESTYLES, strict=False)],
-                          loc="upper right", fontsize=9)
-    for ax in axes[3:]:
+        if len(curves) > 1 and drawn:  # several series in one panel: a legend of their line styles
+            ax.legend(handles=[Line2D([], [], color="black" if sweep else colors[0], linestyle=st, label=s)
+                               for (_, s), st in zip(curves, LINESTYLES, strict=False)],
+                      loc="upper right", fontsize=9)
+    for ax in axes[-3:]:
         ax.set_xlabel("step")
     if sweep:
         handles = [Line2D([], [], color=c, linewidth=2, label=h.label) for c, h in zip(colors, histories, strict=True)]

@@ -48,6 +48,7 @@ METRICS: dict[str, str] = {
     "response_p50": "rollout/response_length_p50",
     "response_p99": "rollout/response_length_p99",
     "response_max": "rollout/response_length_max",
+    "mismatch_kl": "train/mismatch_kl",
 }
 """Snapshot key -> trainer metric name (``agent/*``: multi-turn episodes, relax_hpc/envs/metrics.py)."""
 DECODE_METRICS: dict[str, str] = {
@@ -301,6 +302,7 @@ class RunMonitor:
             snap[key] = as_float(tr.metrics.get(name))
         snap.update(self._decode_snapshot(tr))
         snap["reward_trend"] = slope(list(tr.rewards)[-20:])
+        snap.update(self._eval_summary())
         snap["weight_version"] = self._weight_version(tr)
         snap["trainer_proc"] = tproc
         snap["trainer_state"] = roles[tproc]["state"] if tproc in roles else None
@@ -315,6 +317,18 @@ class RunMonitor:
         snap["lines_read"] = self._events.lines
         snap["bad_lines"] = self._events.bad_lines
         return snap
+
+    def _eval_summary(self) -> dict[str, Any]:
+        """The held-out evaluations so far (``eval/vNNNNNN.json``): the newest one's accuracy and version, and the
+        first one's accuracy (None when there is none)."""
+        from relax_hpc.eval.evaluator import read_results
+
+        evals = read_results(self.rd)
+        if not evals:
+            return {"eval_accuracy": None, "eval_version": None, "eval_first_accuracy": None}
+        first, last = evals[min(evals)], evals[max(evals)]
+        return {"eval_accuracy": last.get("eval/accuracy"), "eval_version": max(evals),
+                "eval_first_accuracy": first.get("eval/accuracy")}
 
     def _roles(self, slurm_states: dict[str, str], now: float) -> dict[str, dict[str, Any]]:
         dead_after = self.monitor_cfg.dead_after_s

@@ -26,11 +26,13 @@ METRIC_ROWS = (
     (("reward", "reward_mean"), ("loss", "loss"), ("KL", "kl"), ("entropy", "entropy"), ("clip frac", "clipfrac")),
     (("samples/s", "samples_per_s"), ("tokens/s", "tokens_per_s"), ("step time", "step_time"),
      ("resp len", "response_length")),
-    (("staleness", "staleness"), ("backlog", "backlog")),
+    (("staleness", "staleness"), ("backlog", "backlog"), ("mismatch KL", "mismatch_kl"),
+     ("eval acc", "eval_accuracy"), ("eval @v", "eval_version")),
     (("resp p50", "response_p50"), ("resp p99", "response_p99"), ("resp max", "response_max"),
      ("decode occ", "decode_occupancy"), ("occ<25%", "decode_low_occupancy_time")),
 )
-"""Label and snapshot key of the headline numbers: learning, throughput, asynchrony."""
+"""Label and snapshot key of the headline numbers: learning, throughput, asynchrony and the train/rollout mismatch,
+the newest held-out evaluation (accuracy and the weight version it evaluated)."""
 AGENT_ROW = (("turns/ep", "turns"), ("calls/turn", "tool_calls"), ("tool errs", "tool_errors"),
              ("tool lat", "tool_latency"), ("truncated", "truncations"))
 """Multi-turn episodes (shown when the run reports them)."""

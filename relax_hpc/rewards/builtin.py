@@ -74,6 +74,26 @@ def _compiled(pattern: str) -> re.Pattern[str]:
     return rx
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(response: str, answer: Any) -> float:
+    """1.0 if the last number written in the response equals the reference number, else 0.0.
+
+    For short arithmetic answers ("The answer is: 85.", "47 + 38 = 85"). Unlike ``math``, nothing in the response is
+    evaluated: math-verify reads a response that only restates the question ("To calculate 47 + 38, we simply") as the
+    expression ``47 + 38`` and scores it correct; here its last number is 38, which is wrong. The reference may be a
+    GSM8K-style solution (the part after ``####``) and may hold thousands separators.
+    """
+    found = _NUMBER.findall(response)
+    if not found:
+        return 0.0
+    try:
+        return float(float(found[-1]) == float(_gold_text(answer).replace(",", "")))
+    except ValueError:
+        return 0.0
+
+
 def digits_positional(response: str, answer: Any) -> float:
     """Positional digit accuracy, the demo tasks' reward, in [0, 1].
 

@@ -12,6 +12,7 @@ BUILTIN: dict[str, str] = {
     "format": "relax_hpc.rewards.builtin:format_check",
     "format_check": "relax_hpc.rewards.builtin:format_check",
     "digits_positional": "relax_hpc.rewards.builtin:digits_positional",
+    "last_number": "relax_hpc.rewards.builtin:last_number",
     "multiple_choice": "relax_hpc.rewards.multimodal:multiple_choice",
     "boxed_answer": "relax_hpc.rewards.multimodal:boxed_answer",
 }

@@ -214,6 +214,11 @@ class RolloutEngine(ABC):
         when the engine receives weights by other means (a server's own update API)."""
         return None
 
+    def transfer_ranks(self) -> int | None:
+        """The ranks the engine's server brings into a weight-transfer group (the ``server`` transport; None: the
+        group's announced size stands, or the engine has no server)."""
+        return None
+
 
 async def generate_all(engine: RolloutEngine, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
     """All ``requests`` concurrently; results in request order."""

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.algorithms.mismatch import MismatchMeter, mismatch_metrics, staleness_of
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.trainer.backend import HostCopy, PinnedCopier, TrainerBackend, hf_module_on_one_gpu
 from relax_hpc.trainer.batch import DEFAULT_ATTN_SCALE, MicroBatch, TrainItem, pack, response_logits
@@ -107,6 +108,7 @@ class TorchBackend(TrainerBackend):
         self._tokens = 0
         self._slots = 0
         self._compute = 0.0
+        self._mismatch = MismatchMeter(self.cfg.algorithm.tis_cap)  # engine vs trainer log-probs, per step
 
     def accumulate(self, items: list[TrainItem]) -> None:
         """Forward + backward over ``items`` now (whole groups, advantages set), with normaliser 1: the gradient is
@@ -138,6 +140,8 @@ class TorchBackend(TrainerBackend):
             self._unit_losses.append(loss.detach())
             self._inputs.append(dataclasses.replace(x, logprobs=x.logprobs.detach(),
                                                     entropy=None if x.entropy is None else x.entropy.detach()))
+            self._mismatch.add(x.logprobs, x.rollout_logprobs, x.loss_mask, x.seq_ids,
+                               staleness_of(mb.items, self.step))
             return loss
 
         self._backward(mbs, loss_of)
@@ -247,7 +251,9 @@ class TorchBackend(TrainerBackend):
                 loss, m = self.algorithm.loss(x, self.cfg.algorithm)
             sums = dict(zip([_LOSS, *m], _floats([loss, *m.values()]), strict=True))
         # every key, also for a step without items (a rank without data, a plan whose groups were all dropped)
-        return self._all_reduce(_with_keys(sums, self._metric_keys()))
+        reduced = self._all_reduce({**_with_keys(sums, self._metric_keys()), **self._mismatch.sums()})
+        mismatch = mismatch_metrics(reduced, self._mismatch.maxima(self.world_size))  # pops its sums
+        return {**reduced, **mismatch}
 
     def _unit_loss(self) -> float:
         """The step's loss with normaliser 1: the micro-batches' losses summed (one device sync per step)."""

@@ -129,7 +129,7 @@ class ServerLinks:
             if self._stop.is_set():
                 return
             generation += 1
-            control = dist.TCPStore(_host(), 0, None, True, timeout=timedelta(seconds=self.timeout_s),
+            control = dist.TCPStore(link_host(), 0, None, True, timeout=timedelta(seconds=self.timeout_s),
                                     wait_for_workers=False)
             info = self._announce(worker, generation, int(control.port))
             try:
@@ -148,7 +148,7 @@ class ServerLinks:
         sd = self._latest[1].views()
         buckets = [[[n, str(sd[n].dtype).removeprefix("torch."), list(sd[n].shape)] for n in names]
                    for names in bucket_names(sd, self.bucket_bytes)]
-        info = {"host": _host(), "port": _free_port(), "control_port": control_port, "world_size": self.world_size,
+        info = {"host": link_host(), "port": link_port(), "control_port": control_port, "world_size": self.world_size,
                 "group_name": f"relax_weights_{worker}_{generation}", "generation": generation,
                 "backend": self.backend, "buckets": buckets, "pid": os.getpid(), "time": time.time()}
         path = link_file(self.run_dir, worker)
@@ -190,11 +190,11 @@ class ServerLinks:
                 destroy_group(pg)
 
 
-def _host() -> str:
+def link_host() -> str:
     return os.environ.get("RELAX_HPC_RDZV_HOST") or socket.gethostname()
 
 
-def _free_port() -> int:
+def link_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])

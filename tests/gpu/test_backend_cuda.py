@@ -18,6 +18,7 @@ from relax_hpc.config.schema import RecipeConfig  # noqa: E402
 from relax_hpc.models.tiny import build_digits_tokenizer, build_tiny_model  # noqa: E402
 from relax_hpc.trainer.backend import TrainerBackend, make_backend  # noqa: E402
 from tests.helpers.backend_conformance import *  # noqa: E402, F403  (the suite's tests run here)
+from tests.helpers.backend_conformance import with_trainer  # noqa: E402
 
 
 class CudaFactory:
@@ -34,9 +35,8 @@ class CudaFactory:
 
     def make(self, cfg: RecipeConfig, seed: int) -> TrainerBackend:
         tok = self.tokenizer
-        trainer = cfg.trainer.model_copy(update={"backend": self.backend, "device": "cuda",
-                                                 "compile_layers": self.compile_layers})
-        cfg = cfg.model_copy(update={"trainer": trainer})
+        extra = {"compile_layers": self.compile_layers} if self.backend == "torch" else {}
+        cfg = with_trainer(cfg, backend=self.backend, device="cuda", **extra)
         model = build_tiny_model(cfg.model.tiny, len(tok), seed=seed, pad_token_id=tok.pad_token_id,
                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
         if self.backend == "torch":  # trains the module it is given, where it is (megatron builds its own on the GPU)

@@ -67,6 +67,16 @@ def make_cfg(**over: Any) -> RecipeConfig:
     return validate_dict(sections)
 
 
+def with_trainer(cfg: RecipeConfig, **fields: Any) -> RecipeConfig:
+    """``cfg`` with ``trainer`` fields changed, ``backend`` included: the variant is chosen again (the keys only the
+    old variant has are dropped, as a ``--set trainer.backend=...`` does)."""
+    from relax_hpc.config.load import config_to_json, validate_resolved
+
+    data = config_to_json(cfg)
+    data["trainer"] = {**data["trainer"], **fields}
+    return validate_resolved(data)
+
+
 def make_items(n: int = 12, seed: int = 0, *, stale_every: int = 0) -> list[TrainItem]:
     """Random prompt/response items in groups of 4, with a tool token masked out and varied lengths."""
     rng = np.random.default_rng(seed)
@@ -216,7 +226,8 @@ def test_stale_items_are_clipped_around_current_policy_and_is_weighted(backend_f
     _assert_weights_close(backend, model, before, getattr(backend_factory, "outliers", 0.0))
     assert got["train/tis_weight_mean"] == pytest.approx(want["train/tis_weight_mean"], rel=1e-4)
     assert got["train/tis_weight_mean"] != pytest.approx(1.0, abs=1e-3)  # the stale ones are re-weighted
-    fresh = backend_factory.make(cfg, seed=1).train_step([dataclasses.replace(it, stale=False) for it in items])
+    unflagged = [dataclasses.replace(it, sample=dataclasses.replace(it.sample, stale=False)) for it in items]
+    fresh = backend_factory.make(cfg, seed=1).train_step(unflagged)
     assert fresh["train/tis_weight_mean"] == pytest.approx(1.0)
 
 

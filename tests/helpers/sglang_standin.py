@@ -2,10 +2,41 @@
 cannot run on these machines (no CPU kernels for this processor; its GPU wheels pin torch 2.9.1).
 
 A real HTTP server process (stdlib ``http.server``, one thread per request) with a HF causal LM behind SGLang's
-endpoints. Every JSON body is checked against the fields SGLang 0.5.10 names for that endpoint: an unknown field or
-a missing required one is answered 400, and unknown command-line flags stop the process at start, so drift between
-the engine and the API it was written against fails loudly. Generation is a token-by-token loop (one forward at a
-time under a lock), so pause/abort/weight updates land between tokens as they do in SGLang's scheduler.
+endpoints. It behaves as the released server does where the engine's correctness depends on it; each such behaviour
+below names the SGLang 0.5.10 source it follows (read from the ``sglang-0.5.10`` wheel on PyPI, ``sglang/srt/...``):
+
+* request bodies: SGLang's request structs are dataclasses in ``managers/io_struct.py`` that FastAPI validates:
+  unknown fields are *ignored*, a missing field without a default is HTTP 400 (``entrypoints/http_server.py``,
+  ``validation_exception_handler`` turns FastAPI's 422 into 400). ``FIELDS`` records the accepted fields.
+  ``sampling_params`` becomes ``SamplingParams(**sampling_params)`` (``managers/tokenizer_manager.py``,
+  ``_create_tokenized_object``): an unknown key is a ``TypeError`` nobody catches, HTTP 500.
+* strict mode (environment ``SGLANG_STANDIN_STRICT=1``): unknown fields (body or sampling_params) are answered 400,
+  so a test can prove the engine never sends a misspelled field. Not SGLang's behaviour; a check of our own.
+* context check (``tokenizer_manager.py``, ``_validate_one_request``): the input alone must be shorter than the
+  context length, and input + ``max_new_tokens`` too (``>=`` refuses): HTTP 400.
+* failures of the weight endpoints are HTTP 400 with ``{"success": false, "message"}`` (``http_server.py``,
+  ``update_weights_from_disk``, ``init_weights_update_group``, ``update_weights_from_distributed``,
+  ``destroy_weights_update_group``); errors of ``/generate`` are 400 ``{"error": {"message"}}``
+  (``_create_error_response``).
+* ``/pause_generation`` with ``mode: abort`` aborts everything and returns only once no request is in flight
+  (``tokenizer_manager.py``, ``pause_generation``: abort, check ``model_update_lock``, sleep 1 s, repeat).
+  ``mode: in_place`` leaves requests in the running batch; a weight update with ``flush_cache`` then fails the
+  scheduler's assert (``managers/scheduler_update_weights_mixin.py``: "Cache flush failed after updating weights";
+  ``scheduler.py``, ``flush_cache`` needs an idle scheduler) and the server dies.
+* ``/health`` runs a one-token generation (``http_server.py``, ``health_generate``; ``environ.py``:
+  ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` defaults to true), which waits while generation is paused: the
+  endpoint answers 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) seconds, checking once a second.
+* ``/update_weights_from_distributed`` for a group never initialised: ``model_executor/model_runner.py``,
+  ``update_weights_from_distributed``, asserts the group exists outside any ``try``; the scheduler process raises and
+  SGLang takes the whole server down. The stand-in exits at once (the HTTP request gets no answer).
+* ``sampling_seed`` is used only with ``--enable-deterministic-inference`` (``sampling/sampling_batch_info.py``,
+  ``from_schedule_batch``: seeds are gathered only when ``enable_deterministic_inference``; then a request without
+  one gets 42). Without the flag all requests draw from the server's generator.
+* ``/server_info`` and ``/get_server_info`` report the server arguments and ``version`` (``http_server.py``,
+  ``server_info``); the stand-in reports 0.5.10 (``SGLANG_STANDIN_VERSION`` overrides it, for tests).
+
+Not modelled: SGLang's scheduler runs control calls one at a time; here they run on their own threads (generation is
+still one forward at a time under a lock, so pause/abort/weight updates land between tokens as in SGLang).
 
     python tests/helpers/sglang_standin.py --model-path DIR --port 30000 [--host ...] [--weight-version 0] ...
 """
@@ -14,31 +45,68 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# endpoint -> (required fields, optional fields) of SGLang 0.5.10's request structs (io_struct.py)
-SCHEMAS: dict[str, tuple[set[str], set[str]]] = {
-    "/generate": ({"input_ids", "sampling_params"}, {"rid", "return_logprob", "logprob_start_len",
-                                                     "top_logprobs_num", "stream", "image_data", "audio_data",
-                                                     "video_data"}),
-    "/abort_request": (set(), {"rid", "abort_all"}),
-    "/pause_generation": (set(), {"mode"}),
-    "/continue_generation": (set(), set()),
-    "/update_weights_from_disk": ({"model_path"}, {"load_format", "abort_all_requests", "weight_version",
-                                                   "flush_cache", "is_async", "torch_empty_cache", "keep_pause"}),
-    "/init_weights_update_group": ({"master_address", "master_port", "rank_offset", "world_size"},
-                                   {"group_name", "backend"}),
-    "/update_weights_from_distributed": ({"names", "dtypes", "shapes"}, {"group_name", "flush_cache",
-                                                                         "abort_all_requests", "weight_version"}),
+VERSION = os.environ.get("SGLANG_STANDIN_VERSION", "0.5.10")
+STRICT = os.environ.get("SGLANG_STANDIN_STRICT") == "1"
+HEALTH_CHECK_TIMEOUT = int(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+HEALTH_GENERATES = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1").lower() not in ("0", "false")
+
+_BASE = ["rid", "http_worker_ipc"]  # io_struct.py, BaseReq (every request struct below derives from it)
+# endpoint -> the fields of its request struct in SGLang 0.5.10's io_struct.py, in declaration order (recorded from
+# the release; tests/integration/test_engine_sglang.py holds the stand-in to this list, so drift is a deliberate edit)
+FIELDS: dict[str, list[str]] = {
+    "/generate": [  # GenerateReqInput
+        *_BASE, "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data", "sampling_params",
+        "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
+        "stream", "log_metrics", "return_hidden_states", "return_routed_experts", "routed_experts_start_len",
+        "modalities", "session_params", "lora_path", "lora_id", "custom_logit_processor", "bootstrap_host",
+        "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "require_reasoning",
+        "routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank", "background", "conversation_id",
+        "priority", "extra_key", "routing_key", "no_logs", "custom_labels", "return_bytes", "return_entropy",
+        "external_trace_header", "received_time", "need_wait_for_mm_inputs", "num_items_assigned",
+        "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch"],
+    "/abort_request": [*_BASE, "abort_all", "finished_reason", "abort_message"],  # AbortReq
+    "/pause_generation": [*_BASE, "mode"],  # PauseGenerationReqInput
+    "/continue_generation": _BASE,  # ContinueGenerationReqInput
+    "/update_weights_from_disk": [  # UpdateWeightFromDiskReqInput
+        *_BASE, "model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
+        "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest"],
+    "/init_weights_update_group": [  # InitWeightsUpdateGroupReqInput
+        *_BASE, "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"],
+    "/destroy_weights_update_group": [*_BASE, "group_name"],  # DestroyWeightsUpdateGroupReqInput
+    "/update_weights_from_distributed": [  # UpdateWeightsFromDistributedReqInput
+        *_BASE, "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
+        "load_format"],
 }
-SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "sampling_seed",
-            "no_stop_trim", "skip_special_tokens", "ignore_eos", "n"}
+# the fields of those structs without a default (GenerateReqInput has none: it checks text/input_ids itself)
+REQUIRED: dict[str, set[str]] = {
+    "/update_weights_from_disk": {"model_path"},
+    "/init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size"},
+    "/update_weights_from_distributed": {"names", "dtypes", "shapes"},
+}
+# sampling/sampling_params.py, SamplingParams.__init__ (0.5.10)
+SAMPLING = ["max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+            "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+            "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+            "no_stop_trim", "custom_params", "stream_interval", "logit_bias", "sampling_seed"]
+DEFAULT_GROUP = "weight_update_group"
 _SAY = threading.Lock()
+
+
+class ServerError500(Exception):
+    """An exception SGLang does not catch: FastAPI answers 500 Internal Server Error."""
+
+
+class Fatal(Exception):
+    """What kills SGLang's scheduler (an assert): the whole server goes down."""
 
 
 def _say(line: str) -> None:
@@ -55,24 +123,52 @@ class State:
     def __init__(self, args: argparse.Namespace):
         from transformers import AutoModelForCausalLM
 
+        self.args = args
         self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).eval()
         conf = json.loads((Path(args.model_path) / "config.json").read_text())
         self.eos = conf.get("eos_token_id")
-        self.context = args.context_length
+        self.context = _context_len(args, conf)
         self.weight_version = args.weight_version
+        self.deterministic = args.enable_deterministic_inference
         self.lock = threading.Lock()  # one forward (or weight update) at a time
         self.cond = threading.Condition()
         self.paused = False
+        self.in_place = False  # paused with mode=in_place: requests stay in the running batch
         self.abort_epoch = 0  # bumped by pause(mode=abort) / abort_all: in-flight requests return
         self.aborted: set[str] = set()
         self.inflight: dict[str, int] = {}
-        self.seed = args.random_seed
         self.gen = torch.Generator().manual_seed(args.random_seed)
         self.groups: dict[str, Any] = {}  # weight update groups by name
 
-    def wait_running(self) -> None:
+    def wait_running(self, rid: str | None = None, epoch: int | None = None) -> None:
+        """Until generation is resumed (or, for a request in flight, it is aborted)."""
         with self.cond:
-            self.cond.wait_for(lambda: not self.paused, timeout=600)
+            self.cond.wait_for(lambda: not self.paused or (epoch is not None and self.abort_epoch != epoch)
+                               or rid in self.aborted, timeout=600)
+
+    def abort_all(self) -> None:
+        with self.cond:
+            self.abort_epoch += 1
+            self.cond.notify_all()
+
+    def abort_one(self, rid: str) -> None:
+        with self.cond:
+            self.aborted.add(rid)
+            self.cond.notify_all()
+
+
+def _context_len(args: argparse.Namespace, conf: dict[str, Any]) -> int:
+    """``configs/model_config.py`` (0.5.10), ``ModelConfig.__init__``: a ``--context-length`` above the model's
+    derived length (``max_position_embeddings``) stops the server at start unless
+    ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN`` is set."""
+    derived = int(conf.get("max_position_embeddings") or 2048)
+    if args.context_length is None:
+        return derived
+    if args.context_length > derived and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") != "1":
+        raise SystemExit(f"ValueError: User-specified context_length ({args.context_length}) is greater than the "
+                         f"derived context_length ({derived}). To allow overriding this maximum, set the env var "
+                         "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+    return int(args.context_length)
 
 
 def _sample(logits: torch.Tensor, sp: dict[str, Any], gen: torch.Generator) -> tuple[int, float]:
@@ -131,36 +227,59 @@ def check_media(body: dict[str, Any]) -> str:
     return ", ".join(seen)
 
 
+def _check_length(st: State, n_input: int, max_new: int) -> None:
+    """tokenizer_manager.py (0.5.10), ``_validate_one_request``: ``>=`` refuses."""
+    if n_input >= st.context:
+        raise ValueError(f"The input ({n_input} tokens) is longer than the model's context length "
+                         f"({st.context} tokens).")
+    if max_new + n_input >= st.context:
+        raise ValueError(f"Requested token count exceeds the model's maximum context length of {st.context} tokens. "
+                         f"You requested a total of {max_new + n_input} tokens: {n_input} tokens from the input "
+                         f"messages and {max_new} tokens for the completion.")
+
+
+def _generator(st: State, sp: dict[str, Any]) -> torch.Generator:
+    """sampling_batch_info.py (0.5.10): per-request seeds (42 when a request has none) only with
+    ``--enable-deterministic-inference``; otherwise the server's generator, advanced by every request."""
+    if st.deterministic:
+        seed = sp.get("sampling_seed")
+        return torch.Generator().manual_seed(int(seed) if seed is not None else 42)
+    return st.gen
+
+
 def generate(st: State, body: dict[str, Any]) -> dict[str, Any]:
     media = check_media(body)
     if media:
         _say(f"media of {body.get('rid')}: {media}; prompt ids {list(body['input_ids'])}")
-    sp = body["sampling_params"]
-    unknown = set(sp) - SAMPLING
-    if unknown:
-        raise ValueError(f"unknown sampling_params {sorted(unknown)}")
-    rid = body.get("rid") or "anon"
+    sp = body.get("sampling_params") or {}
+    unknown = sorted(set(sp) - set(SAMPLING))
+    if unknown:  # SamplingParams(**sampling_params): a TypeError, HTTP 500 (strict mode: 400)
+        msg = f"SamplingParams.__init__() got an unexpected keyword argument {unknown[0]!r}"
+        if STRICT:
+            raise ValueError(f"unknown sampling_params {unknown}")
+        raise ServerError500(msg)
+    if body.get("input_ids") is None:
+        raise ValueError("Either text, input_ids or input_embeds should be provided.")
+    rid = body.get("rid") or f"anon-{time.monotonic_ns()}"
     ids = [int(t) for t in body["input_ids"]]
     max_new = int(sp.get("max_new_tokens", 128))
-    if len(ids) + max_new > st.context:
-        raise ValueError(f"input ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds context {st.context}")
-    # a request's own seed, else the server's generator (advanced by every request, as SGLang's sampler is)
-    gen = torch.Generator().manual_seed(int(sp["sampling_seed"])) if "sampling_seed" in sp else st.gen
+    _check_length(st, len(ids), max_new)
+    gen = _generator(st, sp)
     stops = set(sp.get("stop_token_ids") or []) | ({st.eos} if isinstance(st.eos, int) else set())
-    st.wait_running()
+    st.wait_running()  # tokenizer_manager.generate_request waits on is_pause_cond before anything
     epoch = st.abort_epoch
     out: list[int] = []
     lps: list[float] = []
     reason: dict[str, Any] = {"type": "length", "length": max_new}
     version = st.weight_version
-    st.inflight[rid] = len(out)
+    st.inflight[rid] = 0
     try:
         while len(out) < max_new:
             if rid in st.aborted or st.abort_epoch != epoch:
                 reason = {"type": "abort", "message": "Abort before weight update."}
                 break
-            st.wait_running()
-            if st.abort_epoch != epoch:
+            st.wait_running(rid, epoch)
+            if st.abort_epoch != epoch or rid in st.aborted:
                 continue
             with st.lock, torch.no_grad():
                 logits = st.model(input_ids=torch.tensor([ids + out])).logits[0, -1]
@@ -168,6 +287,7 @@ def generate(st: State, body: dict[str, Any]) -> dict[str, Any]:
             tok, lp = _sample(logits, sp, gen)
             out.append(tok)
             lps.append(lp)
+            st.inflight[rid] = len(out)
             if tok in stops and not sp.get("ignore_eos"):
                 reason = {"type": "stop", "matched": tok}
                 break
@@ -180,100 +300,187 @@ def generate(st: State, body: dict[str, Any]) -> dict[str, Any]:
         "output_token_logprobs": triples, "weight_version": version}}
 
 
-def load_disk(st: State, body: dict[str, Any]) -> dict[str, Any]:
+def _before_update(st: State, body: dict[str, Any]) -> None:
+    """tokenizer_manager.update_weights_from_disk / update_weights_from_distributed (0.5.10): ``abort_all_requests``
+    aborts first; when not paused the update waits for the requests in flight (``model_update_lock.writer_lock``)."""
+    if body.get("abort_all_requests"):
+        st.abort_all()
+    deadline = time.monotonic() + 600
+    while not st.paused and st.inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _flush_cache(st: State, body: dict[str, Any]) -> None:
+    """scheduler_update_weights_mixin.py (0.5.10): after a successful update, ``flush_cache`` (default true) needs an
+    idle scheduler, else ``assert flush_cache_success`` kills the scheduler. Requests held by an ``in_place`` pause
+    are still in the running batch."""
+    if body.get("flush_cache", True) and st.inflight:
+        raise Fatal(f"AssertionError: Cache flush failed after updating weights ({len(st.inflight)} requests in the "
+                    "running batch)")
+
+
+def _fail(message: str) -> tuple[int, dict[str, Any]]:
+    return 400, {"success": False, "message": message}
+
+
+def load_disk(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     from safetensors.torch import load_file
 
+    _before_update(st, body)
     folder = Path(body["model_path"])
     if not (folder / "config.json").exists():  # SGLang builds a ModelConfig from the folder first
-        return {"success": False, "message": f"{folder}: no config.json", "num_paused_requests": 0}
+        return 400, {"success": False, "message": f"{folder}: no config.json", "num_paused_requests": 0}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        return {"success": False, "message": f"no safetensors in {folder}", "num_paused_requests": 0}
+        return 400, {"success": False, "message": f"no safetensors in {folder}", "num_paused_requests": 0}
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
     with st.lock:
         _, unexpected = st.model.load_state_dict(state, strict=False)
         if unexpected:
-            return {"success": False, "message": f"unexpected tensors {unexpected[:3]}", "num_paused_requests": 0}
+            return 400, {"success": False, "message": f"unexpected tensors {unexpected[:3]}", "num_paused_requests": 0}
+        _flush_cache(st, body)
         if body.get("weight_version") is not None:
             st.weight_version = str(body["weight_version"])
-    return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+    return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
 
-def init_group(st: State, body: dict[str, Any]) -> dict[str, Any]:
-    """SGLang's weight update group: a ``tcp://`` rendezvous with the trainer (rank 0, which hosts the store), the
-    store prefixed with the group name, the group made by torch's group helper (SGLang's
-    ``init_custom_process_group``), this server's rank = ``rank_offset`` (+ its TP rank, 0 here)."""
+def init_group(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """model_runner.py (0.5.10), ``init_weights_update_group``: a ``tcp://`` rendezvous with the trainer (rank 0,
+    which hosts the store), the store prefixed with the group name, the group made by torch's group helper
+    (``utils/common.py``, ``init_custom_process_group``), this server's rank = ``rank_offset`` + its TP rank (0 here).
+    A failure is ``success: false``, HTTP 400."""
     import inspect
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
-    timeout = timedelta(seconds=120)
-    store, rank, world = next(c10d.rendezvous(f"tcp://{body['master_address']}:{body['master_port']}",
-                                              int(body["rank_offset"]), int(body["world_size"]), timeout=timeout))
-    store.set_timeout(timeout)
-    name = body.get("group_name", "weight_update_group")
-    opts = "backend_options" if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters \
-        else "pg_options"
-    pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(body.get("backend", "nccl")),
-                                           c10d.PrefixStore(name, store), group_name=name, timeout=timeout,
-                                           **{opts: None})
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    name = body.get("group_name") or DEFAULT_GROUP
+    try:
+        timeout = timedelta(seconds=float(os.environ.get("SGLANG_STANDIN_GROUP_TIMEOUT_S", 120)))
+        store, rank, world = next(c10d.rendezvous(f"tcp://{body['master_address']}:{body['master_port']}",
+                                                  int(body["rank_offset"]), int(body["world_size"]), timeout=timeout))
+        store.set_timeout(timeout)
+        params = inspect.signature(c10d._new_process_group_helper).parameters
+        opts = "backend_options" if "backend_options" in params else "pg_options"
+        pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(body.get("backend") or "nccl"),
+                                               c10d.PrefixStore(name, store), group_name=name, timeout=timeout,
+                                               **{opts: None})
+        c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    except Exception as exc:
+        return _fail(f"Failed to initialize custom process group: {exc}.")
     st.groups[name] = pg
-    return {"success": True, "message": "Succeeded to initialize custom process group."}
+    return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
 
 
-def load_distributed(st: State, body: dict[str, Any]) -> dict[str, Any]:
+def destroy_group(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """model_runner.py (0.5.10), ``destroy_weights_update_group``."""
     import torch.distributed as dist
 
-    name = body.get("group_name", "weight_update_group")
-    pg = st.groups.get(name)
+    name = body.get("group_name") or DEFAULT_GROUP
+    pg = st.groups.pop(name, None)
     if pg is None:
-        return {"success": False, "message": f"weights update group {name!r} is not initialized"}
+        return _fail("The group to be destroyed does not exist.")
+    try:
+        dist.destroy_process_group(pg)
+    except Exception as exc:
+        return _fail(f"Failed to destroy custom process group: {exc}.")
+    return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+
+def load_distributed(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """model_runner.py (0.5.10), ``update_weights_from_distributed``: the group must exist (an assert outside any
+    ``try``: the server dies), then one broadcast per tensor; a failure is ``success: false``, HTTP 400."""
+    import torch.distributed as dist
+
+    name = body.get("group_name") or DEFAULT_GROUP
+    if name not in st.groups:
+        raise Fatal(f"AssertionError: Group {name} not in {list(st.groups)}. Please call `init_weights_update_group` "
+                    "first.")
+    _before_update(st, body)
+    pg = st.groups[name]
     params = dict(st.model.named_parameters())
     with st.lock:
-        for pname, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
-            buf = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(buf, src=0, group=pg)
-            if pname not in params:
-                return {"success": False, "message": f"unknown parameter {pname}"}
-            params[pname].data.copy_(buf)
+        try:
+            bufs = []
+            for pname, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+                buf = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.broadcast(buf, src=0, group=pg)
+                bufs.append((pname, buf))
+            for pname, buf in bufs:
+                if pname not in params:
+                    raise KeyError(f"unknown parameter {pname}")
+                params[pname].data.copy_(buf)
+        except Exception as exc:
+            return _fail(f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are "
+                         "partially updated. Please discard the whole weights.")
+        _flush_cache(st, body)
         if body.get("weight_version") is not None:
             st.weight_version = str(body["weight_version"])
-    return {"success": True, "message": "Succeeded to update parameter online."}
+    return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
 
-def pause(st: State, body: dict[str, Any]) -> dict[str, Any]:
-    mode = body.get("mode", "abort")
+def pause(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """tokenizer_manager.py (0.5.10), ``pause_generation``: ``abort`` aborts all and returns once no request is in
+    flight (checked once a second); other modes go to the scheduler (``scheduler.py``, ``pause_generation``)."""
+    mode = body.get("mode") or "abort"
     if mode not in ("abort", "retract", "in_place"):
         raise ValueError(f"Invalid mode: {mode!r}")
     with st.cond:
         st.paused = True
-        if mode == "abort":
-            st.abort_epoch += 1
-    return {}
+        st.in_place = mode == "in_place"
+    if mode == "abort":
+        deadline = time.monotonic() + 600
+        while True:
+            st.abort_all()
+            if not st.inflight or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+    return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
 
-def resume(st: State, body: dict[str, Any]) -> dict[str, Any]:
+def resume(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     with st.cond:
         st.paused = False
+        st.in_place = False
         st.cond.notify_all()
-    return {}
+    return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
 
-def abort(st: State, body: dict[str, Any]) -> dict[str, Any]:
+def abort(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     if body.get("abort_all"):
-        st.abort_epoch += 1
-    elif body.get("rid"):
-        st.aborted.add(str(body["rid"]))
-    return {}
+        st.abort_all()
+    elif body.get("rid") and str(body["rid"]) in st.inflight:  # an unknown rid is ignored (tokenizer_manager.py)
+        st.abort_one(str(body["rid"]))
+    return 200, {}
+
+
+def health(st: State) -> int:
+    """http_server.py (0.5.10), ``health_generate``: a one-token generation, waited for up to
+    ``HEALTH_CHECK_TIMEOUT`` s in 1 s steps; it cannot run while generation is paused."""
+    if not HEALTH_GENERATES:
+        return 200
+    tic = time.monotonic()
+    while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT:
+        time.sleep(1.0)
+        if not st.paused:
+            return 200
+    return 503
+
+
+def server_info(st: State) -> dict[str, Any]:
+    """http_server.py (0.5.10), ``server_info``: the server arguments, scheduler info and ``version``."""
+    a = st.args
+    return {"model_path": a.model_path, "tokenizer_path": a.tokenizer_path, "host": a.host, "port": a.port,
+            "dtype": a.dtype, "context_length": st.context, "tp_size": a.tp_size, "dp_size": 1, "pp_size": 1,
+            "random_seed": a.random_seed, "enable_deterministic_inference": a.enable_deterministic_inference,
+            "weight_version": st.weight_version, "internal_states": [{}], "version": VERSION}
 
 
 ROUTES = {"/generate": generate, "/update_weights_from_disk": load_disk, "/init_weights_update_group": init_group,
-          "/update_weights_from_distributed": load_distributed, "/pause_generation": pause,
-          "/continue_generation": resume, "/abort_request": abort}
+          "/update_weights_from_distributed": load_distributed, "/destroy_weights_update_group": destroy_group,
+          "/pause_generation": pause, "/continue_generation": resume, "/abort_request": abort}
 
 
 def make_handler(st: State) -> type[BaseHTTPRequestHandler]:
@@ -284,35 +491,54 @@ def make_handler(st: State) -> type[BaseHTTPRequestHandler]:
             _say(f"{self.address_string()} {fmt % args}")
 
         def _send(self, code: int, payload: Any) -> None:
-            data = json.dumps(payload).encode()
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "application/json" if not isinstance(payload, bytes) else "text/plain")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
 
         def do_GET(self) -> None:
-            if self.path == "/health":
-                self._send(200, {})
-            elif self.path == "/model_info":
-                self._send(200, {"model_path": "standin", "weight_version": st.weight_version})
+            path = self.path.split("?")[0]
+            if path in ("/health", "/health_generate"):
+                code = health(st)
+                self._send(code, b"")
+            elif path in ("/model_info", "/get_model_info"):
+                self._send(200, {"model_path": st.args.model_path, "is_generation": True,
+                                 "weight_version": st.weight_version})
+            elif path in ("/server_info", "/get_server_info"):
+                self._send(200, server_info(st))
             else:
                 self._send(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
-            route = ROUTES.get(self.path)
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            path = self.path.split("?")[0]
+            route = ROUTES.get(path)
+            raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if route is None:
                 return self._send(404, {"detail": "Not Found"})
-            required, optional = SCHEMAS[self.path]
-            problems = [f"missing field {k!r}" for k in sorted(required - set(body))]
-            problems += [f"unknown field {k!r}" for k in sorted(set(body) - required - optional)]
-            if problems:
-                return self._send(400, {"error": {"message": "; ".join(problems)}})
             try:
-                self._send(200, route(st, body))
+                body = json.loads(raw or b"{}")
+            except ValueError as exc:
+                return self._send(400, {"error": {"message": f"JSON decode error: {exc}"}})
+            problems = [f"missing field {k!r}" for k in sorted(REQUIRED.get(path, set()) - set(body))]
+            if STRICT:
+                problems += [f"unknown field {k!r}" for k in sorted(set(body) - set(FIELDS[path]))]
+            if problems:  # FastAPI's RequestValidationError, turned into 400 by SGLang's handler
+                return self._send(400, {"error": {"message": "; ".join(problems)}})
+            body = {k: v for k, v in body.items() if k in FIELDS[path]}  # the dataclass ignores the rest
+            try:
+                out = route(st, body)
+            except Fatal as exc:  # the scheduler died: SGLang kills the server's process tree
+                _say(f"scheduler exception on {path}: {exc}; the server exits")
+                os._exit(1)
+            except ServerError500 as exc:
+                _say(f"exception on {path}: TypeError: {exc}")
+                return self._send(500, b"Internal Server Error")
             except (ValueError, KeyError, TypeError) as exc:
-                self._send(400, {"error": {"message": str(exc)}})
+                return self._send(400, {"error": {"message": str(exc)}})
+            code, payload = out if isinstance(out, tuple) else (200, out)
+            self._send(code, payload)
 
     return Handler
 
@@ -324,17 +550,19 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--skip-server-warmup", action="store_true")
+    p.add_argument("--enable-deterministic-inference", action="store_true")
     args = p.parse_args()  # unknown flags: exit 2 at start, as SGLang's parser does
     torch.set_num_threads(1)
     st = State(args)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(st))
     server.daemon_threads = True
-    print(f"sglang stand-in serving {args.model_path} on {args.host}:{args.port}", flush=True)
+    print(f"sglang stand-in {VERSION} serving {args.model_path} on {args.host}:{args.port}"
+          f"{' (strict fields)' if STRICT else ''}", flush=True)
     server.serve_forever()
 
 

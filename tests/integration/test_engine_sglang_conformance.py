@@ -1,7 +1,8 @@
 """The ``sglang`` engine runs the engine conformance suite against the SGLang stand-in
 (``tests/helpers/sglang_standin.py``:
-SGLang cannot run on these machines, see test_engine_sglang.py). The suite's model is saved as the server's HF
-folder with no EOS (the suite needs samples that end only by length, stop tokens or abort)."""
+SGLang cannot run on these machines, see test_engine_sglang.py), started with ``--enable-deterministic-inference``
+(SGLang honours a request's seed only then; the suite checks seeded reproducibility). The suite's model is saved as
+the server's HF folder with no EOS (the suite needs samples that end only by length, stop tokens or abort)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
                        startup_timeout_s=120, sync_timeout_s=60)
     setup = ServerSetup(name="rollout-0-0", model_dir=folder, record=rd.server_record("rollout-0-0"),
                         log=rd.server_log("rollout-0-0"), views=rd.server_views("rollout-0-0"), device="cpu",
-                        max_model_len=2048)
+                        max_model_len=2048,  # seeded requests need SGLang's deterministic inference
+                        extra_server_args={"enable_deterministic_inference": True})
     engine = SGLangEngine(cfg, setup)
     asyncio.run(engine.ensure_started())
     try:

@@ -75,6 +75,10 @@ def test_start_health_record(served, loop):
     assert "vllm.entrypoints.openai.api_server" in " ".join(rec["command"])
     assert rd.server_log("rollout-0-0").stat().st_size > 0
     assert os.getpgid(engine.server.proc.pid) == engine.server.proc.pid  # its own process group
+    evs = [json.loads(x) for x in rd.event_log("rollout-0").read_text().splitlines()]
+    ready = [e for e in evs if e.get("event") == "server_ready"]
+    assert ready[0]["server_version"] == "0.32.0"  # GET /version, checked against rollout.server.versions
+    assert engine.transfer_ranks() == 1  # DP x TP x PP from the real /server_info?config_format=json
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
@@ -108,7 +112,9 @@ def test_greedy_matches_hf_and_prefix_continues(served, loop):
     assert join(as_prefix(head), tail).token_ids.tolist() == want
 
 
-def _publish(rd: RunDir, engine, version: int, seed: int) -> tuple[Path, dict]:
+def _publish(rd: RunDir, engine, version: int, seed: int, *, trainer_config: bool = False) -> tuple[Path, dict]:
+    """A perturbed snapshot; ``trainer_config``: its config.json as the trainer writes it for a model built from a
+    config (no ``architectures``)."""
     import torch
 
     from relax_hpc.weights.publisher import SnapshotPublisher
@@ -116,6 +122,8 @@ def _publish(rd: RunDir, engine, version: int, seed: int) -> tuple[Path, dict]:
     model = hf_model(folder=engine.setup.model_dir)
     gen = torch.Generator().manual_seed(seed)
     conf = json.loads((engine.setup.model_dir / "config.json").read_text())
+    if trainer_config:
+        conf.pop("architectures", None)
     state = {k: (v + 0.05 * torch.randn(v.shape, generator=gen)).contiguous() for k, v in model.state_dict().items()
              if not (conf.get("tie_word_embeddings") and k == "lm_head.weight")}  # tied: one tensor, as HF saves it
     folder = SnapshotPublisher(rd, keep_last=10).publish(state, version, version, model_config=conf)
@@ -282,7 +290,9 @@ def test_bad_model_one_clear_error(tmp_path, loop):
 def test_tied_model_update_restarts_server_on_snapshot(tmp_path, loop):
     """A tied model (the default tiny one, Qwen3 <= 4B): vLLM's CPU backend keeps the old output layer on an in-place
     reload, so the engine restarts its server on the snapshot (with the start folder's tokenizer); the greedy output
-    then equals HF's with the new weights."""
+    then equals HF's with the new weights. The snapshot's config.json is the trainer's (no ``architectures``): vLLM
+    started on it serves an embedding model and answers /v1/completions with 404, so the server starts on a view
+    naming the start folder's architecture."""
     from relax_hpc.models.tiny import build_digits_tokenizer
     from relax_hpc.rollout.server import make_server_engine
     from tests.helpers.server_util import TINY
@@ -295,7 +305,7 @@ def test_tied_model_update_restarts_server_on_snapshot(tmp_path, loop):
     try:
         loop.run(engine.ensure_started(), timeout=400)
         assert json.loads((engine.setup.model_dir / "config.json").read_text())["tie_word_embeddings"]
-        folder, state = _publish(rd, engine, 1, seed=4)
+        folder, state = _publish(rd, engine, 1, seed=4, trainer_config=True)
         t0 = time.monotonic()
         loop.run(engine.pause(abort=True))
         loop.run(engine.receive(1, SnapshotFolder(folder)), timeout=400)
@@ -307,7 +317,8 @@ def test_tied_model_update_restarts_server_on_snapshot(tmp_path, loop):
         assert got.token_ids.tolist() == want and (got.versions == 1).all()
         argv = engine.server.spec.argv
         started_on = Path(argv[argv.index("--model") + 1])
-        assert "--tokenizer" in argv and started_on.name == folder.name  # the snapshot (or its HF view)
+        assert "--tokenizer" in argv and started_on.name == folder.name and started_on != folder  # the HF view
+        assert json.loads((started_on / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
     finally:
         loop.run(engine.close(), timeout=60)
 

@@ -78,7 +78,10 @@ def standin(tmp_path_factory: pytest.TempPathFactory):
     from relax_hpc.rollout.server import make_server_engine
 
     rd = RunDir.create(tmp_path_factory.mktemp("media") / "run")
-    cfg = recipe("sglang", rd.root, command=f"{sys.executable} {STANDIN}", env={"PYTHONPATH": os.getcwd()})
+    # strict: an unknown field is a 400 (SGLang would ignore it); deterministic: the requests below are seeded
+    cfg = recipe("sglang", rd.root, command=f"{sys.executable} {STANDIN}",
+                 env={"PYTHONPATH": os.getcwd(), "SGLANG_STANDIN_STRICT": "1"})
+    cfg.rollout.sglang.server_args = {"enable_deterministic_inference": True}
     engine = make_server_engine(cfg, run_dir=rd, proc="rollout-0", device="cpu", seed=0,
                                 tokenizer=build_digits_tokenizer())
     asyncio.run(engine.ensure_started())

@@ -106,6 +106,44 @@ def test_demo_vllm_learns_locally(tmp_path: Path) -> None:
     assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
 
 
+def test_demo_two_workers_tied_model_completes(tmp_path: Path) -> None:
+    """The demo in fully_async on the vllm engine as recipes/demo.yaml has it: two rollout workers, the tiny model tied
+    (only its shape the one vLLM's CPU attention takes), ``rollout.device`` left at ``auto`` (the CPU here). A tied
+    model restarts each worker's server on every new snapshot; the snapshot's config.json (the trainer's, of a model
+    built from a config) names no architecture, and vLLM served it as an embedding model: every
+    ``/v1/completions`` after the first update got 404 and the supervisor restarted the workers until its cap. Now
+    the servers start on a view naming the start folder's architecture and the run completes."""
+    run = tmp_path / "run"
+    steps = 2
+    shape = [s for s in VLLM_DEMO if s.startswith("model.tiny.") and "tie_embeddings" not in s]
+    sets = [x for s in ("mode=fully_async", "rollout.engine=vllm", f"num_steps={steps}", *shape) for x in ("--set", s)]
+    proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), *sets, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:] + _tails(run)
+    assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
+    assert len(rewards(run, "trainer-0")) == steps
+    served_after_restart = 0
+    for worker in ("rollout-0", "rollout-1"):
+        evs = events(run, worker)
+        assert not [e for e in evs if e.get("event") == "failed"], [e["message"] for e in evs if "fail" in e["event"]]
+        assert len([e for e in evs if e.get("event") == "server_ready"]) >= 2  # restarted on a snapshot
+        log = (run / "logs" / f"server-{worker}-0.log").read_text()
+        assert " 404 " not in log and "Supported tasks: ['token_embed', 'embed']" not in log
+        # a server started on a snapshot's view, then generated (a worker may restart once more as the run ends)
+        served_after_restart += '"POST /v1/completions HTTP/1.1" 200' in log[log.index("/views/v"):]
+    assert served_after_restart >= 1
+
+
+def test_vllm_on_the_cpu_refuses_a_head_size_its_attention_lacks(tmp_path: Path) -> None:
+    """The demo's own tiny shape (head size 16) on vLLM's CPU build: one clear error (exit 2) naming the head sizes
+    vLLM's CPU attention takes, not servers that die at their first request and are restarted until the cap."""
+    run = tmp_path / "run"
+    proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), "--set", "mode=fully_async",
+               "--set", "rollout.engine=vllm", "--set", "num_steps=2", timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "attention head size is 16" in proc.stderr + _tails(run)
+    assert not (run / "logs" / "server-rollout-0-0.log").exists()  # refused before any server started
+
+
 def test_server_sigkill_mid_run_restarts_and_no_sample_is_lost(tmp_path: Path) -> None:
     """SIGKILL of the vLLM server's process group while the run trains: the worker's next request finds it dead,
     restarts it with backoff (alert ``server_died``, ``rollout/server_server_restarts`` = 1), the new server loads

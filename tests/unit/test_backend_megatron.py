@@ -15,7 +15,7 @@ from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.models.tiny import build_digits_tokenizer, build_tiny_model
 from relax_hpc.trainer.backend import TrainerBackend, make_backend
 from tests.helpers.backend_conformance import *  # noqa: F403  (the suite's tests run here)
-from tests.helpers.backend_conformance import make_cfg
+from tests.helpers.backend_conformance import make_cfg, with_trainer
 from tests.helpers.megatron_fixtures import megatron_process_group  # noqa: F401  (autouse: the group gone after the module)
 
 
@@ -25,7 +25,7 @@ class MegatronFactory:
 
     def make(self, cfg: RecipeConfig, seed: int) -> TrainerBackend:
         tok = self.tokenizer
-        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"backend": "megatron"})})
+        cfg = with_trainer(cfg, backend="megatron")
         model = build_tiny_model(cfg.model.tiny, len(tok), seed=seed, pad_token_id=tok.pad_token_id,
                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
         return make_backend(cfg, rank=0, world_size=1, device="cpu", dtype=torch.float32,
@@ -54,10 +54,12 @@ def test_it_is_the_megatron_backend_with_hf_logits() -> None:
 
 
 def test_megatron_core_missing_is_one_error_at_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``relax-hpc validate`` and ``submit`` run the backend's checks (:func:`check_trainer`) on the loaded recipe."""
     import sys
 
     from relax_hpc.errors import UserError
+    from relax_hpc.trainer.checks import check_trainer
 
     monkeypatch.setitem(sys.modules, "megatron.core", None)  # import megatron.core -> ImportError
     with pytest.raises(UserError, match=r"needs megatron-core, which is not installed: pip install"):
-        make_cfg(trainer={"backend": "megatron"})
+        check_trainer(make_cfg(trainer={"backend": "megatron"}))

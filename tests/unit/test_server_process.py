@@ -163,3 +163,57 @@ def test_server_gpus_per_task():
     assert server_gpus(3, 0, 2, ["4", "5"], 4) == ["4", "5"]
     with pytest.raises(UserError, match="needs 4 GPUs"):
         server_gpus(0, 0, 4, ["0", "1"], 1)
+
+
+def test_snapshot_config_without_architectures_gets_a_view(tmp_path):
+    """The trainer of a model built from a config (the tiny model) writes snapshots whose config.json names no
+    ``architectures``; vLLM then resolves ``model_type: qwen3`` to the base ``Qwen3Model``, serves it as an
+    embedding model, and a server restarted on that snapshot (tied models on the CPU) answers /v1/completions with
+    404 (seen in the fully_async demo with two vllm workers). The engine hands servers a view of such a snapshot whose
+    config takes the start folder's ``architectures``; a folder that names them is used as it is."""
+    import torch
+
+    from relax_hpc.config.schema import ServerConfig
+    from relax_hpc.rollout.server.base import ServerSetup
+    from relax_hpc.rollout.server.vllm import VLLMEngine
+    from relax_hpc.rundir import RunDir
+    from relax_hpc.weights.publisher import SnapshotPublisher
+
+    rd = RunDir.create(tmp_path / "run")
+    start = tmp_path / "model"
+    start.mkdir()
+    conf = {"model_type": "qwen3", "hidden_size": 8, "tie_word_embeddings": True}
+    (start / "config.json").write_text(json.dumps({**conf, "architectures": ["Qwen3ForCausalLM"]}))
+    (start / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    snap = SnapshotPublisher(rd, keep_last=3).publish({"w": torch.ones(2)}, 1, 1, model_config=conf)
+    assert "architectures" not in json.loads((snap / "config.json").read_text())
+    engine = VLLMEngine(ServerConfig(), ServerSetup(name="rollout-0-0", model_dir=start, record=rd.server_record(
+        "rollout-0-0"), log=rd.server_log("rollout-0-0"), views=rd.server_views("rollout-0-0"), device="cpu"))
+    view = engine._loadable(snap)
+    assert view != snap and json.loads((view / "config.json").read_text()) == {
+        **json.loads((snap / "config.json").read_text()), "architectures": ["Qwen3ForCausalLM"]}
+    assert all((view / f.name).resolve() == f.resolve() for f in snap.glob("*.safetensors"))
+    assert (view / "generation_config.json").exists()
+    assert engine._loadable(start) == start
+
+
+def test_vllm_runs_on_the_cpu_without_a_gpu(tmp_path):
+    """``rollout.device: auto`` (the default) on a machine without a GPU puts the vllm server on the CPU (its GPU
+    defaults would reserve 92 % of the host's memory and die at start); ``cuda`` is kept as asked."""
+    import torch
+
+    from relax_hpc.models.tiny import build_digits_tokenizer
+    from relax_hpc.rollout.engine import make_engine
+    from relax_hpc.rundir import RunDir
+    from tests.server_util import recipe
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    rd = RunDir.create(tmp_path / "run")
+    tok = build_digits_tokenizer()
+    cfg = recipe("vllm", rd.root)
+    assert cfg.rollout.device == "auto"
+    engine = make_engine(cfg, tokenizer=tok, run_dir=rd, proc="rollout-0")
+    assert engine.setup.device == "cpu" and "--gpu-memory-utilization" in engine.server_args(engine.setup.model_dir, 1)
+    cfg.rollout.device = "cuda"
+    assert make_engine(cfg, tokenizer=tok, run_dir=rd, proc="rollout-1").setup.device == "cuda"

@@ -172,15 +172,16 @@ def test_delta_version_materialises_into_an_hf_folder(tmp_path: Path) -> None:
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=IDS).logits, model(input_ids=IDS).logits)
     assert load_snapshot(out)[1]["version"] == 2
-    # a server engine's update-from-disk gets the same: the delta materialised into its views folder
-    from relax_hpc.rollout.server.base import loadable_view
+    # a server engine's update-from-disk gets the same: the delta materialised once into a folder of its own
+    from relax_hpc.weights.materialise import full_folder
 
-    view = loadable_view(folder, tmp_path / "views", tmp_path / "no-start-dir")
-    assert view == tmp_path / "views" / folder.name and (view / "model.safetensors").is_file()
-    served = AutoModelForCausalLM.from_pretrained(view, dtype=torch.float32).eval()
+    served_dir = full_folder(folder, tmp_path / "views-full")
+    assert served_dir == tmp_path / "views-full" / folder.name and (served_dir / "model.safetensors").is_file()
+    assert full_folder(folder, tmp_path / "views-full") == served_dir  # made once
+    served = AutoModelForCausalLM.from_pretrained(served_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(served(input_ids=IDS).logits, model(input_ids=IDS).logits)
-    assert loadable_view(rd.snapshot(1), tmp_path / "views", tmp_path / "no-start-dir") == rd.snapshot(1)
+    assert full_folder(rd.snapshot(1), tmp_path / "views-full") == rd.snapshot(1)  # a full version: itself
 
 
 def test_delta_config_is_off_by_default_and_validated() -> None:

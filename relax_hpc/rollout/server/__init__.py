@@ -96,7 +96,11 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
     from relax_hpc.rollout.server.base import ServerSetup
 
     name = server_name(proc, index)
+    if cfg.rollout.engine == "vllm" and device != "cpu" and cfg.rollout.device == "auto" and not has_gpu():
+        device = "cpu"  # vLLM's CPU build: its GPU defaults would reserve 92 % of the host's memory and fail
     model_dir = prepare_model_dir(cfg, run_dir.server_model(name), tokenizer=tokenizer, seed=cfg.model.init_seed)
+    if cfg.rollout.engine == "vllm" and device == "cpu":
+        check_cpu_head_dim(model_dir)
     dtype = "bfloat16" if cfg.model.dtype == "bfloat16" else ("float32" if device == "cpu" or
                                                               cfg.model.dtype == "float32" else "bfloat16")
     engine_args = cfg.rollout.sglang.server_args if cfg.rollout.engine == "sglang" else {}  # vllm has none
@@ -120,6 +124,34 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
 
         return SGLangEngine(server_cfg, setup)
     raise ValueError(f"rollout.engine={kind!r} is not a server engine")
+
+
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The head sizes vLLM 0.32's CPU attention takes (``v1/attention/backends/cpu_attn.py``,
+``get_supported_head_sizes``); another kills its engine core at the first request."""
+
+
+def check_cpu_head_dim(model_dir: Path) -> None:
+    """One clear error for a model vLLM's CPU build cannot serve (its attention head size), instead of a server that
+    starts, dies at the first request and is restarted until the cap."""
+    try:
+        conf = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    conf = conf.get("text_config") or conf
+    heads = conf.get("num_attention_heads")
+    head_dim = conf.get("head_dim") or (conf["hidden_size"] // heads if heads and conf.get("hidden_size") else None)
+    if head_dim is not None and int(head_dim) not in VLLM_CPU_HEAD_DIMS:
+        raise UserError(f"rollout.engine=vllm on the CPU: the model's attention head size is {head_dim}, and vLLM's "
+                        f"CPU attention takes {', '.join(map(str, VLLM_CPU_HEAD_DIMS))} (tiny model: set "
+                        "model.tiny.hidden_size / num_heads to give 64, e.g. 128 / 2)")
+
+
+def has_gpu() -> bool:
+    """Whether this process sees a CUDA GPU (``rollout.device: auto`` puts a vllm server on the CPU otherwise)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def newest_snapshot(run_dir: RunDir) -> Any:

@@ -65,6 +65,11 @@ class GroupInfo:
     rank_offset: int = 1
     group_name: str = "relax_weights"
     backend: str = "nccl"
+    packed: bool = True
+    """vLLM: tensors go packed into ``packed_num_buffers`` buffers of ``packed_buffer_size_bytes`` (vLLM's trainer
+    side packs by default; its server side must be told, it defaults to unpacked)."""
+    packed_buffer_size_bytes: int = 1 << 30
+    packed_num_buffers: int = 2
 
 
 class DistributedSource(BucketStream):
@@ -145,6 +150,14 @@ class ServerEngine(RolloutEngine):
 
     kind: str = "server"
     health_path: str = "/health"
+    paused_health_path: str | None = None
+    """The health endpoint while generation is paused (None = :attr:`health_path`): SGLang's ``/health`` generates a
+    token, which waits while paused, so a healthy paused server would look dead."""
+    version_path: str | None = None
+    """Where the server reports its version (None: not read)."""
+    checked_versions: str = ""
+    """The server versions this adapter was checked against (a PEP 440 specifier; ``rollout.server.versions``
+    overrides it)."""
     batch_n: bool = False
     """The server samples ``n`` completions of one prompt in one request (fresh, non-greedy requests only: a prefix is
     per sample, and vLLM refuses n > 1 for greedy). Aborting that request aborts all its samples."""
@@ -204,6 +217,24 @@ class ServerEngine(RolloutEngine):
     async def _load_distributed(self, source: DistributedSource, version: int) -> None:
         """Receive the trainer's broadcast (the fast path); raise on any failure."""
 
+    def _on_start(self) -> None:
+        """A new server process is up (first start or restart): forget per-server state (its weight-update group)."""
+
+    async def _on_ready(self) -> None:
+        """The new server answers (its version checked): read what the engine needs to know of it."""
+
+    def transfer_ranks(self) -> int | None:
+        """The ranks the server brings into a weight-transfer group (None: the link's world size stands)."""
+        return None
+
+    async def _fast_path_failed(self) -> None:
+        """The fast path failed (any error, timeout or transport error): forget and, where the server can, release its
+        weight-update group before the files are loaded."""
+
+    def server_version(self, info: Any) -> str | None:
+        """The version in the reply of :attr:`version_path`."""
+        return str(info.get("version")) if isinstance(info, dict) and info.get("version") else None
+
     def metrics(self) -> dict[str, float]:
         """``rollout/server_<counter>`` of :class:`Stats` (restarts, starts, weight updates, fallbacks, ...)."""
         return self.stats.as_metrics()
@@ -250,11 +281,46 @@ class ServerEngine(RolloutEngine):
         self.server = ServerProcess(spec)
         self.server.start()
         took = await self.server.wait_ready(self._http())
+        self._on_start()
+        version = await self._check_version()
+        await self._on_ready()
         self.stats.server_starts += 1
         self.stats.startup_s = took
-        self._event("server_ready", f"{self.kind} server {s.name} ready on {self.server.url} after {took:.1f} s",
-                    startup_s=round(took, 2), pid=self.server.proc.pid if self.server.proc else None)
+        name = f"{self.kind} {version} server" if version else f"{self.kind} server"
+        self._event("server_ready", f"{name} {s.name} ready on {self.server.url} after {took:.1f} s",
+                    startup_s=round(took, 2), pid=self.server.proc.pid if self.server.proc else None,
+                    server_version=version)
         return took
+
+    async def _check_version(self) -> str | None:
+        """Read the server's version, log it, and refuse (one line, the server stopped) one outside
+        ``rollout.server.versions`` (default: :attr:`checked_versions`)."""
+        if self.version_path is None or self.server is None:
+            return None
+        import logging
+
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            version = self.server_version(await self._json("GET", self.version_path))
+        except (ServerError, ServerGone) as exc:
+            await asyncio.to_thread(self.server.stop)
+            raise ServerStartError(f"inference server {self.setup.name}: cannot read its version from "
+                                   f"{self.version_path} ({str(exc).splitlines()[0]})") from None
+        wanted = self.checked_versions if self.cfg.versions is None else self.cfg.versions
+        logging.getLogger(__name__).info("%s server %s: version %s (accepted: %s)", self.kind, self.setup.name,
+                                         version, wanted or "any")
+        try:
+            ok = not wanted or (version is not None and SpecifierSet(wanted).contains(Version(version),
+                                                                                        prereleases=True))
+        except (InvalidSpecifier, InvalidVersion):
+            ok = False
+        if not ok:
+            await asyncio.to_thread(self.server.stop)
+            raise ServerStartError(f"inference server {self.setup.name}: {self.kind} {version} is outside the "
+                                   f"versions this engine was checked against ({wanted}; rollout.server.versions)")
+        return version
 
     async def ensure_started(self) -> None:
         """Start the server at first use (engines are built synchronously; the server starts in the event loop)."""
@@ -275,8 +341,9 @@ class ServerEngine(RolloutEngine):
     async def health(self) -> EngineHealth:
         if self.server is None or not self.server.alive():
             return EngineHealth(ok=False, version=self.version, detail="server not running")
+        path = self.health_path if self._run_flag else (self.paused_health_path or self.health_path)
         try:
-            r = await self._http().get(self.url + self.health_path, timeout=10.0)
+            r = await self._http().get(self.url + path, timeout=10.0)
             ok = r.status_code == 200
             return EngineHealth(ok=ok, version=self.version, detail="" if ok else f"HTTP {r.status_code}")
         except Exception as exc:
@@ -497,15 +564,49 @@ class ServerEngine(RolloutEngine):
         return folder
 
     def _loadable(self, folder: Path) -> Path:
-        """``folder`` if a server can load it as a model, else a view of it (:func:`loadable_view`)."""
-        return loadable_view(folder, self.setup.views or self.setup.record.parent / self.setup.name / "views",
-                             self.setup.model_dir)
+        """``folder`` if a server can load it as the model it serves (a config.json naming the architecture), else a
+        view of it: links to its files plus a config (the folder's, else the manifest's model_config, else the start
+        folder's) with the start folder's ``architectures`` where it names none; older views go. A delta snapshot is
+        materialised into a full folder first (:func:`relax_hpc.weights.materialise.full_folder`).
+
+        A trainer that built its model from a config (the tiny model) writes a config.json without
+        ``architectures``; vLLM then resolves ``model_type: qwen3`` to the base ``Qwen3Model``, serves it as an
+        embedding model and has no ``/v1/completions`` route (HTTP 404 after a restart on the snapshot)."""
+        import json
+        import shutil
+
+        from relax_hpc.weights.materialise import full_folder
+
+        root = self.setup.views or self.setup.record.parent / self.setup.name / "views"
+        folder = full_folder(folder, root.with_name(root.name + "-full"))  # a delta version: materialised first
+        conf = _read_json(folder / "config.json")
+        if conf.get("architectures"):
+            return folder
+        view = root / folder.name
+        if not (view / "config.json").exists():
+            view.mkdir(parents=True, exist_ok=True)
+            for f in folder.iterdir():
+                if f.suffix == ".safetensors" and not (view / f.name).exists():
+                    (view / f.name).symlink_to(f.resolve())
+            start = _read_json(self.setup.model_dir / "config.json")
+            conf = conf or _read_json(folder / "manifest.json").get("model_config") or start
+            if not conf.get("architectures") and start.get("architectures"):
+                conf = {**conf, "architectures": start["architectures"]}
+            (view / "config.json").write_text(json.dumps(conf, indent=1))
+            for name in ("generation_config.json",):
+                src = folder / name if (folder / name).exists() else self.setup.model_dir / name
+                if src.exists():
+                    shutil.copy2(src, view / name)
+        for old in sorted(p for p in root.iterdir() if p.name != view.name)[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return view
 
     async def _receive_distributed(self, version: int, source: DistributedSource) -> None:
         try:
             await asyncio.wait_for(self._load_distributed(source, version), timeout=self.cfg.sync_timeout_s)
         except Exception as exc:
             self.stats.fallbacks += 1
+            await self._fast_path_failed()
             newest = await self._snapshot_of(version)
             msg = f"fast path to {self.setup.name} failed for version {version} ({type(exc).__name__}: {exc})"
             if newest is None or newest[0] < version:
@@ -566,41 +667,6 @@ class ServerEngine(RolloutEngine):
         return None
 
 
-def loadable_view(folder: Path, root: Path, model_dir: Path) -> Path:
-    """``folder`` if a server can load it as a model (config.json present), else a view of it under ``root``: links
-    to its files plus the config (from the manifest's model_config, else ``model_dir``'s); a delta snapshot is
-    materialised there instead (a full HF folder, reconstructed and verified). Older views go (two stay)."""
-    if (folder / "config.json").exists():
-        return folder
-    import json
-    import shutil
-
-    view = root / folder.name
-    manifest = json.loads((folder / "manifest.json").read_text()) if (folder / "manifest.json").exists() else {}
-    if not (view / "config.json").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        if (manifest.get("delta") or {}).get("base") is not None:
-            from relax_hpc.weights.materialise import materialise
-
-            shutil.rmtree(view, ignore_errors=True)
-            materialise(folder, view)
-        else:
-            view.mkdir(parents=True, exist_ok=True)
-            for f in folder.iterdir():
-                if f.suffix == ".safetensors" and not (view / f.name).exists():
-                    (view / f.name).symlink_to(f.resolve())
-            conf: dict[str, Any] = manifest.get("model_config") or {}
-            if conf:
-                (view / "config.json").write_text(json.dumps(conf, indent=1))
-        if not (view / "config.json").exists():
-            shutil.copy2(model_dir / "config.json", view / "config.json")
-        if (model_dir / "generation_config.json").exists() and not (view / "generation_config.json").exists():
-            shutil.copy2(model_dir / "generation_config.json", view / "generation_config.json")
-    for old in sorted(p for p in root.iterdir() if p.name != view.name)[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
-    return view
-
-
 def _verify_folder(folder: Path, verify: str) -> None:
     """Check a snapshot folder against its manifest before a server reads it (sizes; sha256 reads every file)."""
     from relax_hpc.errors import SnapshotError
@@ -619,6 +685,17 @@ def _verify_folder(folder: Path, verify: str) -> None:
         size = (folder / f["name"]).stat().st_size
         if size != f["bytes"]:
             raise SnapshotError(f"{folder / f['name']}: {size} bytes, the manifest says {f['bytes']}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file's content; {} when it is missing or not an object."""
+    import json
+
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
 def _server_prompt(request: GenerateRequest) -> list[int]:

@@ -11,9 +11,15 @@ Endpoints (the server runs with ``VLLM_SERVER_DEV_MODE=1``, which serves the RL 
 * files: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` (in place, from an HF
   folder), then ``/reset_prefix_cache`` (cached KV of the old weights must not be reused) and
   ``/update_weight_version``.
-* fast path: vLLM's weight-transfer engine (``--weight-transfer-config``, ``/init_weight_transfer_engine``,
-  ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``). Its backends (``nccl``, ``ipc``, ...)
-  need CUDA, so on a CPU build the fast path fails and the engine falls back to the files (an event says so).
+* fast path: vLLM's weight-transfer engine (``--weight-transfer-config {"backend": "nccl"}``):
+  ``/init_weight_transfer_engine`` once per group and server process (vLLM replaces its group on a second call
+  without shutting the first down), its ``init_info`` stating ``packed`` and the buffer geometry (vLLM's trainer side
+  packs by default, its server side does not) and ``world_size`` = 1 + the server's DP x TP x PP ranks (read from
+  ``/server_info``); then per version ``/start_weight_update``, ``/update_weights`` per bucket,
+  ``/finish_weight_update``. A failure shuts the group down (``/shutdown_weight_transfer_engine``) and the files
+  are loaded. Its backends (``nccl``, ``ipc``, ...) need CUDA, so on a CPU build the fast path fails and the engine
+  falls back to the files (an event says so). The trainer's end is :mod:`relax_hpc.weights.vllm_transfer`.
+* ``GET /version`` (read and checked at start).
 
 vLLM's CPU backend does not refresh the output projection of a *tied* model (``tie_word_embeddings``) on an in-place
 reload: the lm_head keeps the old embedding. The engine therefore checks the tie at start; for tied models on the CPU
@@ -30,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_hpc.rollout.engine import SamplingParams
-from relax_hpc.rollout.server.base import DistributedSource, ServerEngine, ServerError, ServerGone
+from relax_hpc.rollout.server.base import DistributedSource, GroupInfo, ServerEngine, ServerError, ServerGone
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SERVED_NAME = "policy"
@@ -53,7 +59,17 @@ def default_vllm_python() -> str:
 class VLLMEngine(ServerEngine):
     kind = "vllm"
     health_path = "/health"
+    version_path = "/version"
+    checked_versions = ">=0.32,<0.33"
     batch_n = True
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._transfer: GroupInfo | None = None
+        """The weight-transfer group the running server has joined (None: none, or not known to be whole)."""
+        self._transfer_asked = False
+        self._ranks: int | None = None
+        """The running server's DP x TP x PP ranks (read when the fast path is configured)."""
 
     def default_command(self) -> str:
         return f"{default_vllm_python()} -m {VLLM_MODULE}"
@@ -192,11 +208,55 @@ class VLLMEngine(ServerEngine):
         await self.start()
         self.stats.extra["reload_restarts"] = self.stats.extra.get("reload_restarts", 0.0) + 1
 
+    # ----------------------------------------------------------------------------------------- fast path
+    def _on_start(self) -> None:
+        self._transfer, self._transfer_asked, self._ranks = None, False, None  # a new server has joined no group
+
+    async def _on_ready(self) -> None:
+        if self.cfg.weight_sync == "distributed":
+            self._ranks = await self.server_ranks()
+
+    def transfer_ranks(self) -> int | None:
+        return self._ranks
+
+    async def server_ranks(self) -> int:
+        """DP x TP x PP of the running server, from ``/server_info`` (vLLM's ``parallel_config``; each of those
+        ranks joins the weight-transfer group, ``nccl_common.worker_init_process_group``)."""
+        info = await self._json("GET", "/server_info", params={"config_format": "json"})
+        return parallel_ranks(info)
+
+    def init_info(self, g: GroupInfo) -> dict[str, Any]:
+        """``/init_weight_transfer_engine``'s ``init_info`` (vLLM's ``NCCLWeightTransferInitInfo``)."""
+        return {"master_address": g.master_address, "master_port": g.master_port, "rank_offset": g.rank_offset,
+                "world_size": g.world_size, "packed": g.packed, "packed_buffer_size_bytes": g.packed_buffer_size_bytes,
+                "packed_num_buffers": g.packed_num_buffers}
+
+    async def _fast_path_failed(self) -> None:
+        """Forget the group and shut it down on the server (a group left behind holds a dead communicator)."""
+        asked, self._transfer, self._transfer_asked = self._transfer_asked, None, False
+        if not asked or self.server is None or not self.server.alive():
+            return
+        try:
+            await self._json("POST", "/shutdown_weight_transfer_engine", timeout=10.0)
+        except Exception as exc:  # a server whose init failed may have nothing to shut down
+            self._event("weight_group_destroy", f"vllm server {self.setup.name}: shutdown_weight_transfer_engine: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+
     async def _load_distributed(self, source: DistributedSource, version: int) -> None:
         g = source.group
-        await self._json("POST", "/init_weight_transfer_engine", json={"init_info": {
-            "master_address": g.master_address, "master_port": g.master_port, "rank_offset": g.rank_offset,
-            "world_size": g.world_size}})
+        if self._transfer != g:
+            if self._transfer_asked:  # a new group (a new generation of the link): shut the old one down
+                await self._fast_path_failed()
+            ranks = self._ranks if self._ranks is not None else await self.server_ranks()
+            if g.world_size != g.rank_offset + ranks:
+                raise ServerError(f"vllm server {self.setup.name}: the weight-transfer group has world_size "
+                                  f"{g.world_size}, but rank offset {g.rank_offset} + this server's {ranks} ranks "
+                                  f"(DP x TP x PP) make {g.rank_offset + ranks}")
+            self._transfer_asked = True
+            await self._json("POST", "/init_weight_transfer_engine", json={"init_info": self.init_info(g)},
+                             timeout=self.cfg.sync_timeout_s)
+            self._transfer = g
+        self._transfer = None  # until the whole version arrived: a failure half-way leaves the group unusable
         await self._json("POST", "/start_weight_update")
         for bucket in source.metas:
             await self._json("POST", "/update_weights", json={"update_info": {
@@ -204,6 +264,17 @@ class VLLMEngine(ServerEngine):
                 "shapes": [s for _, _, s in bucket]}}, timeout=self.cfg.sync_timeout_s)
         await self._json("POST", "/finish_weight_update", json={"weight_version": str(version)})
         await self._json("POST", "/reset_prefix_cache")
+        self._transfer = g
 
 
-__all__ = ["ServerGone", "VLLMEngine", "default_vllm_python", "vllm_venv_python"]
+def parallel_ranks(info: Any) -> int:
+    """DP x TP x PP in a ``/server_info?config_format=json`` reply."""
+    conf = info.get("vllm_config") if isinstance(info, dict) else None
+    par = conf.get("parallel_config") if isinstance(conf, dict) else None
+    if not isinstance(par, dict):
+        raise ServerError("vllm /server_info: no vllm_config.parallel_config in the reply")
+    return int(par.get("data_parallel_size") or 1) * int(par.get("tensor_parallel_size") or 1) * \
+        int(par.get("pipeline_parallel_size") or 1)
+
+
+__all__ = ["ServerGone", "VLLMEngine", "default_vllm_python", "parallel_ranks", "vllm_venv_python"]

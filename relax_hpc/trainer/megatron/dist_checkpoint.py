@@ -39,7 +39,7 @@ from relax_hpc.errors import UserError
 from relax_hpc.trainer.backend import ShardedCheckpoint
 
 if TYPE_CHECKING:
-    from relax_hpc.trainer.megatron.backend import MegatronBackend
+    from relax_hpc.trainer.megatron.host import CheckpointHost
 
 
 class MegatronDistCheckpoint(ShardedCheckpoint):
@@ -49,7 +49,7 @@ class MegatronDistCheckpoint(ShardedCheckpoint):
     elsewhere = ("resume once at the checkpoint's settings with trainer.megatron.checkpoint_format: full; its next "
                  "checkpoint loads in either backend at any tp/pp")
 
-    def __init__(self, backend: MegatronBackend, *, active: bool):
+    def __init__(self, backend: CheckpointHost, *, active: bool):
         self.backend = backend
         self.active = active
 
@@ -76,7 +76,7 @@ class MegatronDistCheckpoint(ShardedCheckpoint):
             filesystem_async._results_queue = None
 
 
-def sharded_checkpoint(backend: MegatronBackend) -> MegatronDistCheckpoint | None:
+def sharded_checkpoint(backend: CheckpointHost) -> MegatronDistCheckpoint | None:
     """The backend's :class:`MegatronDistCheckpoint` where it has the distributed optimizer (active per
     ``trainer.megatron.checkpoint_format``), else None; ``dist`` where the backend turned the distributed optimizer
     off (ranks sharing a GPU over gloo) is one :class:`UserError` naming the fix."""

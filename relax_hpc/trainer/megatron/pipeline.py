@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from relax_hpc.trainer.batch import MicroBatch
-    from relax_hpc.trainer.megatron.backend import MegatronBackend
+    from relax_hpc.trainer.megatron.host import PipelineHost
 
 Shape = tuple[int, ...]
 Run = Callable[[int, "torch.Tensor | None"], Any]
@@ -310,13 +310,13 @@ def forward_only(stage: Stage, shapes: Sequence[Shape], dtype: torch.dtype, run:
 
 
 # ---------------------------------------------------------------------------------------------------- the backend's
-def _shape(backend: MegatronBackend, tokens: int) -> Shape:
+def _shape(backend: PipelineHost, tokens: int) -> Shape:
     """The activation crossing a stage boundary: [tokens, 1, hidden] (one packed row)."""
     return (tokens, 1, backend.shape.hidden_size)
 
 
 @contextlib.contextmanager
-def _input(backend: MegatronBackend, inp: torch.Tensor | None) -> Iterator[None]:
+def _input(backend: PipelineHost, inp: torch.Tensor | None) -> Iterator[None]:
     """The GPT's decoder reads ``inp`` (the previous stage's activation) in this block; None after it."""
     backend.gpt.set_input_tensor(inp)
     try:
@@ -325,14 +325,14 @@ def _input(backend: MegatronBackend, inp: torch.Tensor | None) -> Iterator[None]
         backend.gpt.set_input_tensor(None)
 
 
-def _hidden(backend: MegatronBackend, mb: MicroBatch) -> torch.Tensor:
+def _hidden(backend: PipelineHost, mb: MicroBatch) -> torch.Tensor:
     """A stage that is not the last: its output hidden states [T, 1, H] for micro-batch ``mb`` (one packed row; the
     sequences' boundaries are the GPT's ``attention_mask``, as in the backend's ``_forward``)."""
     with backend.packing.use([it.num_tokens for it in mb.items], mb.position_ids[0]) as cu:
         return backend.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=cu)
 
 
-def train(backend: MegatronBackend, mbs: Sequence[MicroBatch], loss_of: Callable[[int, MicroBatch], Any]) -> None:
+def train(backend: PipelineHost, mbs: Sequence[MicroBatch], loss_of: Callable[[int, MicroBatch], Any]) -> None:
     """Forward and backward of ``mbs`` through the pipeline (1F1B); ``loss_of(k, mb)`` is called on the last stage
     only, where the GPT's input is set, and gives micro-batch ``k``'s loss."""
     stage = backend.stage
@@ -347,7 +347,7 @@ def train(backend: MegatronBackend, mbs: Sequence[MicroBatch], loss_of: Callable
     one_f_one_b(stage, [_shape(backend, mb.input_ids.shape[1]) for mb in mbs], backend.dtype, run)
 
 
-def forward_logprobs(backend: MegatronBackend, mbs: Sequence[MicroBatch], *,
+def forward_logprobs(backend: PipelineHost, mbs: Sequence[MicroBatch], *,
                      with_entropy: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
     """Per micro-batch, the log-probs [T] (and entropies [T]) of the response tokens without gradients, as
     ``sequence_logprobs`` computes them: on the last stage; None on the others."""
@@ -363,7 +363,7 @@ def forward_logprobs(backend: MegatronBackend, mbs: Sequence[MicroBatch], *,
         return forward_only(stage, [_shape(backend, mb.input_ids.shape[1]) for mb in mbs], backend.dtype, run)
 
 
-def logits(backend: MegatronBackend, input_ids: torch.Tensor) -> torch.Tensor:
+def logits(backend: PipelineHost, input_ids: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits [B, S, V] of unpacked ``input_ids`` [B, S] through the pipeline (each row one
     micro-batch), on every rank (broadcast from the last stage)."""
     stage = backend.stage

@@ -71,7 +71,7 @@ def _old_keys(cfg: RecipeConfig) -> list[str]:
 def _translate(cfg: RecipeConfig) -> Transport:
     """``auto`` (and the deprecated keys) -> the transport of this mode and engine."""
     w = cfg.weights
-    if cfg.mode == "colocate":
+    if "memory" in KINDS_BY_MODE.get(cfg.mode, ()):  # the engine lives in the trainer's process (colocate)
         return MemoryTransport(kind="memory")
     if isinstance(cfg.rollout, ServerRolloutBase):
         distributed = cfg.rollout.server.weight_sync == "distributed"
@@ -153,9 +153,9 @@ def make_sender(cfg: RecipeConfig, session: TrainerSession, *, run_dir: RunDir, 
 
         if not wired(cfg.rollout.engine) or not isinstance(cfg.rollout, ServerRolloutBase):
             return FilesSender(files, publish_every=every)
-        s = cfg.rollout.server
-        links = server_links(run_dir, n, tp_size=s.tp_size, device=device, timeout_s=s.sync_timeout_s) \
-            if rank == 0 else None
+        links = server_links(run_dir, cfg, device=device, events=events) if rank == 0 else None
+        if rank == 0 and links is None:
+            return FilesSender(files, publish_every=every)
         return LinkSender(t.kind, files, links, publish_every=every, files_every_s=0.0)
     raise ConfigError(f"weights.transport: unknown transport {t!r}")
 
@@ -184,7 +184,8 @@ def make_receiver(cfg: RecipeConfig, engine: RolloutEngine, *, run_dir: RunDir, 
         if wired(cfg.rollout.engine) and isinstance(cfg.rollout, ServerRolloutBase):
             from relax_hpc.rollout.server.fastpath import ServerFastPath
 
-            fast = ServerFastPath(run_dir, rank, timeout_s=min(30.0, cfg.rollout.server.sync_timeout_s))
+            fast = ServerFastPath(run_dir, rank, timeout_s=min(30.0, cfg.rollout.server.sync_timeout_s),
+                                  server_ranks=engine.transfer_ranks)
         elif events is not None:
             events.event("weight_sync_files", f"weights.transport=server: the {cfg.rollout.engine} servers' "
                          "weight-transfer engine needs its communicator on the trainer side, which is not wired; "
