@@ -4,7 +4,11 @@
 # directory listings per mount (like NFS's actimeo / lookupcache) and renames through SFTP's posix-rename:
 # closer to NFS than a local disk.
 #
-#   tools/netfs.sh start    install openssh-server + sshfs when missing (root), start sshd, mount A and B (idempotent)
+#   tools/netfs.sh start [--hide-caches S]
+#                           install openssh-server + sshfs when missing (root), start sshd, mount A and B (idempotent);
+#                           --hide-caches S: mounts whose caches hide new entries, deleted entries and changed
+#                           attributes for S seconds (dcache_timeout, entry_timeout, attr_timeout, negative_timeout;
+#                           docs/netfs.md, "Cache-hiding mounts"); remount (stop, start) to change it
 #   tools/netfs.sh stop     unmount both, stop only the sshd started here (its PID file)
 #   tools/netfs.sh status   exit 0 when both mounts answer
 #   tools/netfs.sh env      print the line to source:  eval "$(tools/netfs.sh env)"
@@ -16,10 +20,21 @@
 #   NETFS_DIR      base dir                                          (default /tmp/relax-netfs)
 #   NETFS_PORT     sshd port on 127.0.0.1                            (default 22722)
 #   NETFS_OPTS     sshfs -o options of both mounts (see docs/netfs.md) (default: sshfs's caching, as NFS would)
+#   NETFS_HIDE_S   as --hide-caches S                                (default: unset)
 set -euo pipefail
 DIR=${NETFS_DIR:-/tmp/relax-netfs}
 PORT=${NETFS_PORT:-22722}
 OPTS=${NETFS_OPTS:-cache=yes,cache_timeout=20,transform_symlinks,no_contain_symlinks,reconnect,ServerAliveInterval=5,ServerAliveCountMax=3}
+if [ "${1:-}" = start ] && [ "${2:-}" = --hide-caches ]; then
+  NETFS_HIDE_S=${3:?"--hide-caches needs a number of seconds"}
+fi
+if [ -n "${NETFS_HIDE_S:-}" ]; then
+  if ! [[ "$NETFS_HIDE_S" =~ ^[0-9]+([.][0-9]+)?$ ]]; then
+    echo "error: --hide-caches / NETFS_HIDE_S must be a number of seconds, got '$NETFS_HIDE_S'" >&2; exit 2
+  fi
+  H=$NETFS_HIDE_S
+  OPTS="$OPTS,cache_timeout=${H%.*},dcache_timeout=${H%.*},entry_timeout=$H,attr_timeout=$H,ac_attr_timeout=$H,negative_timeout=$H"
+fi
 EXPORT=$DIR/export
 MNT_A=$DIR/a
 MNT_B=$DIR/b

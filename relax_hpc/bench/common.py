@@ -128,3 +128,31 @@ def read_records(run_dir: RunDir, proc: str) -> list[dict[str, Any]]:
         with contextlib.suppress(ValueError):
             out.append(json.loads(line))
     return out
+
+
+def model_like_state_dict(gb: float, seed: int = 0) -> dict[str, Any]:
+    """Random tensors shaped like a decoder LLM of about ``gb`` GB: bf16 embeddings and layers, fp32 norms."""
+    import torch
+
+    hidden, inter, vocab = (2048, 5632, 32000) if gb >= 0.5 else (512, 1408, 8000)
+    layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * inter) + 2 * 4 * hidden
+    embed_bytes = 2 * vocab * hidden
+    layers = max(1, round((gb * 1e9 - 2 * embed_bytes) / layer_bytes))
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    sd = {"model.embed_tokens.weight": rand(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[f"{p}self_attn.{name}.weight"] = rand(hidden, hidden)
+        sd[f"{p}mlp.gate_proj.weight"] = rand(inter, hidden)
+        sd[f"{p}mlp.up_proj.weight"] = rand(inter, hidden)
+        sd[f"{p}mlp.down_proj.weight"] = rand(hidden, inter)
+        sd[f"{p}input_layernorm.weight"] = rand(hidden, dtype=torch.float32)
+        sd[f"{p}post_attention_layernorm.weight"] = rand(hidden, dtype=torch.float32)
+    sd["model.norm.weight"] = rand(hidden, dtype=torch.float32)
+    sd["lm_head.weight"] = rand(vocab, hidden)
+    return sd

@@ -1,6 +1,7 @@
 """Weight-snapshot throughput against the raw bandwidth of the same folder.
 
-``python -m relax_hpc.bench.snapshots [--dir DIR] [--gb 1.0] [--repeat 3] [--json]``
+``python -m relax_hpc.bench.snapshots [--dir DIR] [--gb 1.0] [--repeat 3] [--json]``; with ``--delta``: delta
+snapshots vs full ones on consecutive versions of real training runs (:mod:`relax_hpc.bench.delta`).
 
 A state dict shaped like a small LLM (bf16 matrices, fp32 norms) is published with :class:`SnapshotPublisher` and
 loaded with :class:`SnapshotReader` inside a temporary run dir under ``DIR``. "Raw" is the same number of bytes written
@@ -19,40 +20,15 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.bench.common import model_like_state_dict
+
 CHUNK = 16 << 20
-
-
-def model_like_state_dict(gb: float, seed: int = 0) -> dict[str, Any]:
-    """Random tensors shaped like a decoder LLM of about ``gb`` GB: bf16 embeddings and layers, fp32 norms."""
-    import torch
-
-    hidden, inter, vocab = (2048, 5632, 32000) if gb >= 0.5 else (512, 1408, 8000)
-    layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * inter) + 2 * 4 * hidden
-    embed_bytes = 2 * vocab * hidden
-    layers = max(1, round((gb * 1e9 - 2 * embed_bytes) / layer_bytes))
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    sd = {"model.embed_tokens.weight": rand(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[f"{p}self_attn.{name}.weight"] = rand(hidden, hidden)
-        sd[f"{p}mlp.gate_proj.weight"] = rand(inter, hidden)
-        sd[f"{p}mlp.up_proj.weight"] = rand(inter, hidden)
-        sd[f"{p}mlp.down_proj.weight"] = rand(hidden, inter)
-        sd[f"{p}input_layernorm.weight"] = rand(hidden, dtype=torch.float32)
-        sd[f"{p}post_attention_layernorm.weight"] = rand(hidden, dtype=torch.float32)
-    sd["model.norm.weight"] = rand(hidden, dtype=torch.float32)
-    sd["lm_head.weight"] = rand(vocab, hidden)
-    return sd
 
 
 def drop_cache(path: Path) -> None:
@@ -156,7 +132,13 @@ def run(folder: Path, gb: float, repeat: int, device: str = "cpu", max_file_mb: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; prints a table or, with ``--json``, one JSON object."""
+    """Command-line entry point; prints a table or, with ``--json``, one JSON object. ``--delta``: delta snapshots
+    vs full ones instead (:mod:`relax_hpc.bench.delta`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--delta" in argv:
+        from relax_hpc.bench import delta
+
+        return delta.main([a for a in argv if a != "--delta"])
     ap = argparse.ArgumentParser(prog="python -m relax_hpc.bench.snapshots", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path("."), help="folder to measure (a temporary subfolder is used)")
     ap.add_argument("--gb", type=float, default=1.0, help="size of the state dict in GB (default 1.0)")

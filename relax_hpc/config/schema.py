@@ -60,6 +60,7 @@ from relax_hpc.config.trainer import (
 from relax_hpc.config.warmup import SFTWarmupConfig
 from relax_hpc.config.weights import (
     AutoTransport,
+    DeltaConfig,
     FilesTransport,
     MemoryTransport,
     ProcessGroupTransport,
@@ -80,6 +81,7 @@ __all__ = [
     "AlgorithmConfig",
     "AutoTransport",
     "DataConfig",
+    "DeltaConfig",
     "DistillAlgorithmConfig",
     "DistillConfig",
     "EnvConfig",

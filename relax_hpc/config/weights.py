@@ -56,6 +56,18 @@ WeightTransport = Annotated[AutoTransport | FilesTransport | ProcessGroupTranspo
 """``weights.transport``: how new weights reach the engines (:mod:`relax_hpc.weights.transport`)."""
 
 
+class DeltaConfig(Section):
+    """``weights.delta``: write versions as the difference from the last full version (see docs/protocol.md,
+    "Delta snapshots"); readers reconstruct them from that base."""
+
+    every_full: int = Field(10, ge=1)
+    """A full version every this many versions (1: always full); the deltas in between are against it."""
+    max_fraction: float = Field(0.5, gt=0, le=1)
+    """Write a version full whenever its delta would be larger than this fraction of the full size."""
+    codec: Literal["xor-zstd", "sparse"] = "xor-zstd"
+    """``xor-zstd``: changed bits, zstd-compressed; ``sparse``: (uint32 index, value) of each changed element."""
+
+
 class WeightSyncConfig(Section):
     """How new weights reach the rollout engines."""
 
@@ -63,6 +75,8 @@ class WeightSyncConfig(Section):
     """How new weights reach the rollout engines, by ``kind``: ``auto``, ``files``, ``process_group``, ``server``,
     ``memory`` (see docs/protocol.md, "Weight transport")."""
 
+    delta: DeltaConfig | None = None
+    """Delta snapshots (off by default): ``{every_full: K, max_fraction: f}``."""
     publish_every: int = Field(1, ge=1)
     """Publish a weight snapshot every N trainer steps."""
     keep_last: int = Field(3, ge=1)

@@ -54,7 +54,7 @@ class TrainerSession:
 
     def __init__(self, run_dir: RunDir, cfg: RecipeConfig, trainer: TrainerBackend, tokenizer: Any,
                  events: EventLog, *, rank: int = 0, sinks: MetricSink | None = None):
-        from relax_hpc.weights import SnapshotPublisher
+        from relax_hpc.weights import SnapshotPublisher, delta_policy
 
         self.run_dir = run_dir
         self.cfg = cfg
@@ -62,7 +62,8 @@ class TrainerSession:
         self.tokenizer = tokenizer
         self.events = events
         self.rank = rank
-        self.publisher = SnapshotPublisher(run_dir, keep_last=cfg.weights.keep_last) if rank == 0 else None
+        self.publisher = SnapshotPublisher(run_dir, keep_last=cfg.weights.keep_last,
+                                           delta=delta_policy(cfg.weights.delta)) if rank == 0 else None
         self.version = 0
         self.last_checkpoint_step = -1
         """The step of the last checkpoint taken (written, or being written in the background)."""

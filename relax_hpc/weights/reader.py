@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from relax_hpc.errors import RunDirError, SnapshotError
 from relax_hpc.fsio import is_complete
 from relax_hpc.rundir import RunDir
+from relax_hpc.weights.delta import apply_delta, base_of
 from relax_hpc.weights.format import HashPipeline, parse_file, read_file, torch_dtype
 from relax_hpc.weights.manifest import complete_versions, latest_version, read_manifest
 from relax_hpc.weights.retention import check_reader_name, drop_lease, take_lease
@@ -48,6 +49,8 @@ def load_snapshot(folder: Path, *, device: str | torch.device = "cpu",
         raise ValueError(f"verify must be 'sha256' or 'size', got {verify!r}")
     device = torch.device(device)
     manifest = read_manifest(folder)
+    if base_of(manifest) is not None:  # a delta snapshot: reconstructed from its full base and delta.bin
+        return _to_device(_load_delta(folder, manifest, verify), device), manifest
     buffers: dict[str, torch.Tensor] = {}
     streams: dict[str, int] = {}
     with HashPipeline() if verify == "sha256" else contextlib.nullcontext() as hasher:
@@ -87,11 +90,35 @@ def load_snapshot(folder: Path, *, device: str | torch.device = "cpu",
         if list(full.shape) != shape:
             raise SnapshotError(f"{folder}: tensor {name!r} has shape {list(full.shape)}, the manifest says {shape}")
         state[name] = full
+    return _to_device(state, device), manifest
+
+
+def _load_delta(folder: Path, manifest: dict[str, Any], verify: Verify) -> dict[str, torch.Tensor]:
+    """A delta snapshot's tensors: its full base (a sibling folder) loaded and verified, then the delta applied.
+    A missing, incomplete or damaged base is a :class:`SnapshotError` (the reader falls back to an older version)."""
+    base_v = base_of(manifest)
+    base_dir = folder.parent / f"v{base_v:06d}"
+    if not is_complete(base_dir):
+        raise SnapshotError(f"{folder}: its base snapshot {base_dir} is missing or incomplete")
+    try:
+        if base_of(read_manifest(base_dir)) is not None:
+            raise SnapshotError(f"{base_dir} is itself a delta")
+        base_state, _ = load_snapshot(base_dir, verify=verify)
+    except FileNotFoundError as exc:
+        raise SnapshotError(f"{folder}: its base snapshot {base_dir} vanished ({exc.filename})") from exc
+    except SnapshotError as exc:
+        raise SnapshotError(f"{folder}: its base snapshot is damaged: {exc}") from exc
+    return apply_delta(folder, manifest, base_state, verify=verify)
+
+
+def _to_device(state: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    import torch
+
     if device.type != "cpu":
         state = {k: v.to(device, non_blocking=True) for k, v in state.items()}
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return state, manifest
+    return state
 
 
 def _verify_hf_files(folder: Path, manifest: dict[str, Any], verify: Verify) -> None:

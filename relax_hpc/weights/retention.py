@@ -22,7 +22,8 @@ import time
 from relax_hpc.errors import SnapshotError
 from relax_hpc.fsio import atomic_write_json, atomic_write_text, read_json, tmp_name
 from relax_hpc.rundir import RunDir
-from relax_hpc.weights.manifest import complete_versions, latest_version, version_of
+from relax_hpc.weights.delta import base_of
+from relax_hpc.weights.manifest import MANIFEST, complete_versions, latest_version, version_of
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,14 @@ def pinned_versions(rd: RunDir) -> set[int]:
     return {v for v in (version_of(n) for n in names) if v is not None}
 
 
+def _base_needed(rd: RunDir, version: int) -> int | None:
+    """The base version snapshot ``version`` is a delta of (None: full, or its manifest unreadable)."""
+    try:
+        return base_of(read_json(rd.snapshot(version) / MANIFEST))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def apply_retention(rd: RunDir, keep_last: int) -> list[int]:
     """Delete complete snapshots that are not among the last ``keep_last``, pinned, LATEST or leased.
 
@@ -103,6 +112,10 @@ def apply_retention(rd: RunDir, keep_last: int) -> list[int]:
     if latest is not None:
         keep.add(latest)
     leased = live_leases(rd)
+    for v in sorted(keep | set(leased)):  # a kept delta keeps its base (a full version: no chains)
+        base = _base_needed(rd, v)
+        if base is not None:
+            keep.add(base)
     removed = []
     for v in versions:
         if v in keep or v in leased:
@@ -115,7 +128,8 @@ def apply_retention(rd: RunDir, keep_last: int) -> list[int]:
             continue
         except OSError as exc:
             raise SnapshotError(f"cannot remove old snapshot {folder}: {exc.strerror or exc}") from exc
-        if v in live_leases(rd):  # a reader leased it between our two looks: give it back
+        fresh = live_leases(rd)
+        if v in fresh or any(_base_needed(rd, x) == v for x in fresh):  # leased meanwhile (or a delta of it is)
             os.rename(trash, folder)
             continue
         shutil.rmtree(trash, ignore_errors=True)

@@ -566,7 +566,8 @@ class ServerEngine(RolloutEngine):
     def _loadable(self, folder: Path) -> Path:
         """``folder`` if a server can load it as the model it serves (a config.json naming the architecture), else a
         view of it: links to its files plus a config (the folder's, else the manifest's model_config, else the start
-        folder's) with the start folder's ``architectures`` where it names none; older views go.
+        folder's) with the start folder's ``architectures`` where it names none; older views go. A delta snapshot is
+        materialised into a full folder first (:func:`relax_hpc.weights.materialise.full_folder`).
 
         A trainer that built its model from a config (the tiny model) writes a config.json without
         ``architectures``; vLLM then resolves ``model_type: qwen3`` to the base ``Qwen3Model``, serves it as an
@@ -574,10 +575,13 @@ class ServerEngine(RolloutEngine):
         import json
         import shutil
 
+        from relax_hpc.weights.materialise import full_folder
+
+        root = self.setup.views or self.setup.record.parent / self.setup.name / "views"
+        folder = full_folder(folder, root.with_name(root.name + "-full"))  # a delta version: materialised first
         conf = _read_json(folder / "config.json")
         if conf.get("architectures"):
             return folder
-        root = self.setup.views or self.setup.record.parent / self.setup.name / "views"
         view = root / folder.name
         if not (view / "config.json").exists():
             view.mkdir(parents=True, exist_ok=True)
