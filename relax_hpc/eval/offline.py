@@ -64,8 +64,8 @@ def select_snapshots(spec: str, available: list[int]) -> list[int]:
 
 
 def build_engine(rd: RunDir, cfg: RecipeConfig, tokenizer: Any, proc: str, events: Any) -> Any:
-    from relax_hpc.trainer.checks import check_backends
     from relax_hpc.modes import components as C
+    from relax_hpc.trainer.checks import check_backends
 
     check_backends(cfg)
     return C.build_engine(cfg, tokenizer, seed=cfg.seed, run_dir=rd, proc=proc, events=events)

@@ -24,7 +24,8 @@ def test_real_model_eval_and_float32_mismatch(tmp_path: Path) -> None:
     from relax_hpc.algorithms.mismatch import MismatchMeter, mismatch_metrics
     from relax_hpc.eval.evaluator import Evaluator
     from relax_hpc.models.load import load_model, load_tokenizer
-    from relax_hpc.rollout.engine import GenerateRequest, SamplingParams, make_engine
+    from relax_hpc.rollout.engine import GenerateRequest, SamplingParams
+    from relax_hpc.rollout.factory import make_engine
 
     tok = load_tokenizer(cfg.model)
     model = load_model(cfg.model, tok, device="cpu", dtype=torch.float32)

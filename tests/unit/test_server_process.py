@@ -203,7 +203,7 @@ def test_vllm_runs_on_the_cpu_without_a_gpu(tmp_path):
     import torch
 
     from relax_hpc.models.tiny import build_digits_tokenizer
-    from relax_hpc.rollout.engine import make_engine
+    from relax_hpc.rollout.factory import make_engine
     from relax_hpc.rundir import RunDir
     from tests.server_util import recipe
 
