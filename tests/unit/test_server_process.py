@@ -205,7 +205,7 @@ def test_vllm_runs_on_the_cpu_without_a_gpu(tmp_path):
     from relax_hpc.models.tiny import build_digits_tokenizer
     from relax_hpc.rollout.factory import make_engine
     from relax_hpc.rundir import RunDir
-    from tests.server_util import recipe
+    from tests.helpers.server_util import recipe
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
