@@ -20,3 +20,17 @@ def tiny_model() -> torch.nn.Module:
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
     return m
+
+
+IDS = torch.tensor([[1, 7, 9, 4, 16, 5, 13]])
+"""A prompt of the demo's digits tokenizer."""
+
+
+def tiny_demo_model() -> torch.nn.Module:
+    """The demo's tiny model (the default ``model.tiny`` shape, seed 3) in eval mode."""
+    from relax_hpc.config.schema import TinyModelConfig
+    from relax_hpc.models.tiny import build_digits_tokenizer, build_tiny_model
+
+    tok = build_digits_tokenizer()
+    return build_tiny_model(TinyModelConfig(), len(tok), seed=3, pad_token_id=tok.pad_token_id,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).eval()

@@ -156,7 +156,8 @@ def test_delta_version_materialises_into_an_hf_folder(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from relax_hpc.weights.materialise import materialise
-    from tests.unit.test_weights_hf import IDS, tiny
+    from tests.helpers.tinymodel import IDS
+    from tests.helpers.tinymodel import tiny_demo_model as tiny
 
     model = tiny()
     rd = RunDir.create(tmp_path / "run")

@@ -12,21 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from relax_hpc.fsio import read_json
-from relax_hpc.models.tiny import build_digits_tokenizer, build_tiny_model
 from relax_hpc.rundir import RunDir
 from relax_hpc.weights import SnapshotPublisher, SnapshotReader
 from relax_hpc.weights.manifest import read_manifest
 from relax_hpc.weights.publisher import HF_INDEX
-
-IDS = torch.tensor([[1, 7, 9, 4, 16, 5, 13]])
-
-
-def tiny():
-    from relax_hpc.config.schema import TinyModelConfig
-
-    tok = build_digits_tokenizer()
-    return build_tiny_model(TinyModelConfig(), len(tok), seed=3, pad_token_id=tok.pad_token_id,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).eval()
+from tests.helpers.tinymodel import IDS
+from tests.helpers.tinymodel import tiny_demo_model as tiny
 
 
 def logits(model) -> torch.Tensor:
