@@ -221,6 +221,7 @@ class MegatronBackend(TorchBackend):
         init_parallel(mc.tp, mc.pp, device)
         self.cfg, self.device, self.dtype, self.algorithm = cfg, device, dtype, algorithm
         self.rank, self.world_size = rank, world_size
+        self.lora = False  # model.lora is refused for this backend (config/model.py)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), mc.tp
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
