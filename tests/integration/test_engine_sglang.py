@@ -93,7 +93,7 @@ def test_standin_fields_equal_sglang_0_5_10_io_struct():
     each struct's dataclass fields plus ``BaseReq``'s ``rid`` and ``http_worker_ipc``; ``SamplingParams.__init__``'s
     arguments in ``sampling/sampling_params.py``), recorded here from the release: a change to either list is a
     deliberate edit of both. With ``SGLANG_SRC`` pointing at an unpacked 0.5.10 wheel the recording is checked too."""
-    from tests import sglang_standin as standin
+    from tests.helpers import sglang_standin as standin
 
     assert standin.FIELDS == IO_STRUCT_0_5_10
     assert standin.SAMPLING == SAMPLING_PARAMS_0_5_10

@@ -28,11 +28,14 @@ The server refuses a request whose input + ``max_new_tokens`` reaches its contex
 given one more token of context than the longest sample needs (where the model's positions allow), and a request's
 ``max_new_tokens`` is capped to what fits. ``sampling_seed`` is honoured only by a server started with
 ``--enable-deterministic-inference`` (``rollout.sglang.server_args: {enable_deterministic_inference: true}``); a
-seeded request to a server without it is refused in one line.
+seeded request to a server without it is refused in one line; an unseeded request to a server with it gets a seed
+from the engine's own generator (SGLang would give every unseeded request seed 42, and the n samples of a prompt
+would be one sample n times).
 """
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +59,9 @@ class SGLangEngine(ServerEngine):
         """The weight-update group the running server holds (None: none, or not known to be whole)."""
         self._group_asked: GroupInfo | None = None
         """The group last asked for (its init may have failed half-way on the server)."""
+        self._seeds = random.Random(self.setup.seed)
+        """Seeds for unseeded requests to a deterministic server, which would otherwise give every one seed 42
+        (``sampling_batch_info.py``), so the n samples of a prompt would all be the same."""
 
     def default_command(self) -> str:
         return f"{sys.executable} -m {SGLANG_MODULE}"
@@ -108,6 +114,8 @@ class SGLangEngine(ServerEngine):
             params["stop_token_ids"] = list(sp.stop_token_ids)
         if sp.seed is not None:
             params["sampling_seed"] = sp.seed
+        elif self.deterministic:
+            params["sampling_seed"] = self._seeds.getrandbits(31)
         out = await self._json("POST", "/generate", timeout=self.cfg.request_timeout_s,
                                json=self.generate_body(rid, ids, params, media))
         meta = out["meta_info"]
