@@ -71,6 +71,22 @@ class EvalHook:
             return None
         return self._evaluate(version)
 
+    def at_start(self, sync: Any) -> dict[str, float] | None:
+        """fully_async, before the worker's first batch: the trainer may be past version 0 already (another worker
+        fed it while this one started), so load snapshot 0 itself (``sync``: the worker's
+        :class:`~relax_hpc.rollout.weight_sync.WeightSync`) and evaluate it: the curve starts at the base model.
+        Nothing when version 0 is evaluated already, not due, or no longer on disk."""
+        if not self.enabled or self.cfg.eval is None or not self.cfg.eval.due(0, self.last, final=False):
+            return None
+        if not self.run_dir.snapshot(0).exists():
+            return None
+        try:
+            self.run(sync.load_files(0))
+        except Exception as exc:  # an evaluation must not fail the worker
+            log.warning("evaluation of v0: cannot load snapshot v0: %s", exc)
+            return None
+        return self.on_weights(0)
+
     def at_end(self, sync: Any) -> dict[str, float] | None:
         """fully_async, when the worker stops: if the run finished and its final snapshot was not evaluated, load it
         (``sync``: the worker's :class:`~relax_hpc.rollout.weight_sync.WeightSync`) and evaluate it. Closes the

@@ -121,6 +121,8 @@ class RolloutWorker:
         settle_gc()  # torch/transformers out of the collector; fewer young collections per step
         wait_for(lambda: self.sync.newest() is not None or self.finished() or self.stop.is_set,
                  what="the first weight snapshot", timeout_s=self.cfg.store.wait_timeout_s, logger=log)
+        if self.sync.newest() is not None:
+            self.evals.at_start(self.sync)
         self.hb.beat(state="running", force=True)
 
     def cycle(self) -> None:

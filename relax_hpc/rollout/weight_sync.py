@@ -87,15 +87,16 @@ class WeightSync:
 
         return latest_version(self.run_dir)
 
-    async def load_files(self) -> int:
-        """Load the newest complete snapshot into the engine; its version. A snapshot can be retired between
-        reading LATEST and taking the lease when the trainer publishes fast: then look again (bounded)."""
+    async def load_files(self, version: int | None = None) -> int:
+        """Load the newest complete snapshot (or snapshot ``version``) into the engine; its version. A snapshot can
+        be retired between reading LATEST and taking the lease when the trainer publishes fast: then look again
+        (bounded); a named version that is gone is a :class:`~relax_hpc.errors.SnapshotError`."""
         from relax_hpc.errors import SnapshotError
         from relax_hpc.fsio import is_complete
 
         last: Exception | None = None
-        for _ in range(self.attempts):
-            v = self.newest()
+        for _ in range(self.attempts if version is None else 1):
+            v = self.newest() if version is None else version
             if v is None:
                 raise SnapshotError(f"no weight snapshot in {self.run_dir.weights} yet")
             folder = self.run_dir.snapshot(v)

@@ -74,3 +74,40 @@ def test_eval_during_fully_async_on_a_rollout_worker(tmp_path: Path) -> None:
     _check_records(run, set(got), "rollout-0")
     step_metrics = [r["metrics"] for r in metrics(run, "trainer-0") if "train/loss" in r["metrics"]]
     assert all("train/mismatch_kl" in m for m in step_metrics)
+
+
+@pytest.mark.integration
+def test_a_worker_that_starts_late_still_evaluates_the_base_model(tmp_path: Path) -> None:
+    """fully_async: another worker may feed the trainer past version 0 before the evaluating worker's first batch;
+    that worker loads snapshot 0 itself first (real snapshots of a finished run, the demo's engine, its loader)."""
+    import asyncio
+
+    from relax_hpc.eval.hook import EvalHook
+    from relax_hpc.eval.offline import build_engine, run_config
+    from relax_hpc.events import EventLog
+    from relax_hpc.models.load import load_tokenizer
+    from relax_hpc.rollout.weight_sync import WeightSync
+    from relax_hpc.rundir import RunDir
+
+    run = tmp_path / "run"
+    proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), *SHORT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rd = RunDir(run)
+    cfg = run_config(rd, [a for a in EVAL if a != "--set"])
+    tok = load_tokenizer(cfg.model)
+    events = EventLog(rd, "rollout", 0)
+    loop = asyncio.new_event_loop()
+    engine = build_engine(rd, cfg, tok, events.proc, events)
+    try:
+        sync = WeightSync(rd, engine, reader="rollout-0")
+        assert sync.newest() == 6
+        hook = EvalHook(rd, cfg, tok, engine=engine, run=loop.run_until_complete, events=events, proc="rollout-0")
+        got = hook.at_start(sync)
+        assert got is not None and engine.version == 0 and set(_summaries(run)) == {0}
+        assert hook.at_start(sync) is None  # once
+        assert hook.on_weights(loop.run_until_complete(sync.update(files_first=True))[0]) is not None
+        assert engine.version == 6 and set(_summaries(run)) == {0, 6}
+    finally:
+        loop.run_until_complete(engine.close())
+        loop.close()
+        events.close()

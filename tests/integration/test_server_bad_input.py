@@ -49,7 +49,7 @@ def test_bad_server_input_stops_the_run_with_one_error(tmp_path: Path, case: str
     assert code == 2, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     joined = " ".join(out.split())  # the CLI wraps long lines
-    assert "rollout-0: failed: inference server rollout-0-0:" in joined, out[-3000:]
+    assert "error: rollout-0: inference server rollout-0-0:" in joined, out[-3000:]
     want = {"missing-command": "cannot be run", "exits-at-start": "exited at start (exit code 7)",
             "port-in-use": f"port {port} on 127.0.0.1 is already in use"}[case]
     assert want in joined, out[-3000:]
