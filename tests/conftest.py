@@ -12,6 +12,11 @@ one worker, so their jobs never queue behind each other on the small local clust
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +44,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def rd(tmp_path: Path) -> RunDir:
     """A fresh run directory."""
     return RunDir.create(tmp_path / "run")
+
+
+def _cpu_seconds() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``RELAX_TEST_TIMES=FILE``, one JSON line per test: wall seconds and CPU seconds (this process and the
+    children it reaped: the roles a test's launcher ran), which, unlike wall time, a loaded machine does not
+    inflate much. ``python tools/test_times.py FILE`` sums them by module and by xdist group."""
+    out = os.environ.get("RELAX_TEST_TIMES")
+    if not out:
+        yield
+        return
+    t0, c0 = time.monotonic(), _cpu_seconds()
+    yield
+    rec = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2), "cpu_s": round(_cpu_seconds() - c0, 2),
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "end": round(time.time(), 1)}
+    with open(out, "a") as f:
+        f.write(json.dumps(rec) + "\n")

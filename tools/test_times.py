@@ -1,0 +1,48 @@
+"""Where the test suite's time goes, from a ``RELAX_TEST_TIMES=FILE`` run of the suite (tests/conftest.py).
+
+  RELAX_TEST_TIMES=/tmp/times.jsonl bash tools/test.sh ...
+  python tools/test_times.py /tmp/times.jsonl [--top 25]
+
+Prints the slowest tests, and wall and CPU seconds summed by module and by xdist group (a module, or ``cluster``
+for the slurm and netfs tiers, which share one worker): the largest group bounds the suite's wall time from below,
+the CPU sum over the cores bounds it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+
+def group(test: str) -> str:
+    path = test.split("::")[0]
+    parts = path.split("/")
+    return "cluster" if len(parts) > 2 and parts[1] in ("slurm", "netfs") else path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file", type=Path)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    rows = [json.loads(x) for x in a.file.read_text().splitlines() if x.strip()]
+    wall, cpu, gwall, gcpu = Counter(), Counter(), Counter(), Counter()
+    for r in rows:
+        mod = r["test"].split("::")[0]
+        wall[mod] += r["wall_s"]
+        cpu[mod] += r["cpu_s"]
+        gwall[group(r["test"])] += r["wall_s"]
+        gcpu[group(r["test"])] += r["cpu_s"]
+    print(f"{len(rows)} tests: wall {sum(wall.values()):.0f} s summed, CPU {sum(cpu.values()):.0f} s")
+    print(f"\nslowest {a.top} tests (wall s, CPU s)")
+    for r in sorted(rows, key=lambda r: -r["wall_s"])[:a.top]:
+        print(f"{r['wall_s']:8.1f} {r['cpu_s']:8.1f}  {r['test']}")
+    print(f"\nlargest {a.top} groups (wall s, CPU s)")
+    for g, w in gwall.most_common(a.top):
+        print(f"{w:8.0f} {gcpu[g]:8.0f}  {g}")
+
+
+if __name__ == "__main__":
+    main()
