@@ -123,6 +123,9 @@ def vllm_links(run_dir: RunDir, cfg: RecipeConfig, *, device: str, events: Any =
             events.event("weight_sync_files", f"rollout.server.weight_sync=distributed with the vllm engine: {why}; "
                          "the vllm servers load the snapshot files", level="warning")
         return None
+    from relax_hpc.config.rollout import VLLMRolloutConfig
+
+    assert isinstance(cfg.rollout, VLLMRolloutConfig), "the vllm engine's links (weights/transport/server.py)"
     server = cfg.rollout.server
     return VLLMServerLinks(run_dir, cfg.rollout.num_workers, world_size=1 + server.tp_size,
                            timeout_s=server.sync_timeout_s, device=device)
