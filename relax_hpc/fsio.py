@@ -196,7 +196,7 @@ def publish_dir(tmp: Path, final: Path, *, marker: str = COMPLETE_MARKER, marker
     does on exit; for a folder several processes filled)."""
     for p in tmp.rglob("*"):
         if p.is_file() and p.relative_to(tmp).as_posix() not in durable:
-            _fsync_file(p)
+            fsync_file(p)
     atomic_write_text(tmp / marker, marker_content)
     fsync_dir(tmp)
     if final.exists():
@@ -205,7 +205,8 @@ def publish_dir(tmp: Path, final: Path, *, marker: str = COMPLETE_MARKER, marker
     fsync_dir(final.parent)
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """Flush the file ``path``'s data to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

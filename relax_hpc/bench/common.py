@@ -112,6 +112,28 @@ def report(res: dict[str, Any], dirs: ScratchDirs, *, as_json: bool, text: Calla
     return 0
 
 
+def measure_and_print(recipe: Path, body: Callable[[], dict[str, Any]], *, as_json: bool) -> int:
+    """The end of a measuring command: exit 2 after one ``error:`` line where ``recipe`` is missing or the input is
+    bad (a ``ValueError``, of which :class:`~relax_hpc.errors.UserError` is one; a ``ConfigError`` gives a line per
+    problem), else 0 after printing the result of ``body()`` (JSON, or a field a line)."""
+    from relax_hpc.errors import ConfigError
+
+    if not recipe.is_file():
+        print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
+        return 2
+    try:
+        res = body()
+    except ValueError as exc:
+        for line in exc.problems if isinstance(exc, ConfigError) else [(str(exc).splitlines() or [""])[0]]:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(res, indent=1))
+    else:
+        print_fields(res)
+    return 0
+
+
 def print_fields(res: dict[str, Any], width: int = 32) -> None:
     """One ``name value`` line per entry (floats to 4 significant digits)."""
     for k, v in res.items():

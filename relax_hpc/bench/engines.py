@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.bench.common import DEMO_RECIPE, machine, print_fields
+from relax_hpc.bench.common import DEMO_RECIPE, machine, measure_and_print
 
 DEFAULT_OVERRIDES = [
     "rollout.engine=vllm", "model.tiny.hidden_size=128", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
@@ -120,9 +119,7 @@ def measure(recipe: Path, overrides: list[str], *, batches: int, warmup: int, th
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
 
-    from relax_hpc.errors import ConfigError, UserError
 
     p = argparse.ArgumentParser(prog="relax-hpc bench engines", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -136,20 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.batches < 1 or a.warmup < 0 or a.threads < 1:
         p.error("--batches and --threads must be >= 1, --warmup >= 0")
     recipe = Path(a.recipe)
-    if not recipe.is_file():
-        print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
-        return 2
     overrides = DEFAULT_OVERRIDES if a.overrides is None else [*DEFAULT_OVERRIDES, *a.overrides]
-    try:
-        res = measure(recipe, overrides, batches=a.batches, warmup=a.warmup, threads=a.threads)
-    except (ConfigError, UserError, ValueError) as exc:
-        for line in getattr(exc, "problems", None) or [str(exc).splitlines()[0]]:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    print(json.dumps(res, indent=1) if a.json else "", end="")
-    if not a.json:
-        print_fields(res)
-    return 0
+    return measure_and_print(recipe, lambda: measure(recipe, overrides, batches=a.batches, warmup=a.warmup,
+                                                     threads=a.threads), as_json=a.json)
 
 
 if __name__ == "__main__":

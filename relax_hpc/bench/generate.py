@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.bench.common import DEMO_RECIPE, machine, print_fields
+from relax_hpc.bench.common import DEMO_RECIPE, machine, measure_and_print
 
 
 def measure(recipe: Path, overrides: list[str], *, batches: int, warmup: int, threads: int) -> dict[str, Any]:
@@ -189,7 +187,6 @@ def shape_recipe(shape: str, cache: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from relax_hpc.errors import ConfigError, UserError
 
     p = argparse.ArgumentParser(prog="relax-hpc bench generate", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -224,23 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--shape must be one of {', '.join(sorted(SHAPES))}")
         a.recipe = str(shape_recipe(a.shape, Path(a.cache).expanduser()))
     recipe = Path(a.recipe)
-    if not recipe.is_file():
-        print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
-        return 2
-    try:
-        if a.lengths is not None:
-            res = _measure_mix(a, recipe)
-        else:
-            res = measure(recipe, a.overrides, batches=a.batches, warmup=a.warmup, threads=a.threads)
-    except (ConfigError, UserError) as exc:
-        for line in getattr(exc, "problems", None) or [str(exc)]:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    if a.json:
-        print(json.dumps(res, indent=1))
-    else:
-        print_fields(res)
-    return 0
+    if a.lengths is not None:
+        return measure_and_print(recipe, lambda: _measure_mix(a, recipe), as_json=a.json)
+    return measure_and_print(recipe, lambda: measure(recipe, a.overrides, batches=a.batches, warmup=a.warmup,
+                                                     threads=a.threads), as_json=a.json)
 
 
 def _measure_mix(a: argparse.Namespace, recipe: Path) -> dict[str, Any]:

@@ -17,13 +17,12 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.bench.common import DEMO_RECIPE, machine, print_fields
+from relax_hpc.bench.common import DEMO_RECIPE, machine, measure_and_print
 from relax_hpc.bench.engines import DEFAULT_OVERRIDES, start_server_engine
 
 
@@ -130,7 +129,6 @@ def measure(recipe: Path, overrides: list[str], *, updates: int, concurrency: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    from relax_hpc.errors import ConfigError, UserError
 
     p = argparse.ArgumentParser(prog="relax-hpc bench weights", description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -144,21 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.updates < 1 or a.concurrency < 1:
         p.error("--updates and --concurrency must be >= 1")
     recipe = Path(a.recipe)
-    if not recipe.is_file():
-        print(f"error: recipe {recipe} not found (give --recipe)", file=sys.stderr)
-        return 2
-    try:
-        res = measure(recipe, [*DEFAULT_OVERRIDES, *a.overrides], updates=a.updates, concurrency=a.concurrency,
-                      distributed=a.distributed)
-    except (ConfigError, UserError, ValueError) as exc:
-        for line in getattr(exc, "problems", None) or [str(exc).splitlines()[0]]:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    if a.json:
-        print(json.dumps(res, indent=1))
-    else:
-        print_fields(res)
-    return 0
+    return measure_and_print(recipe, lambda: measure(recipe, [*DEFAULT_OVERRIDES, *a.overrides], updates=a.updates,
+                                                     concurrency=a.concurrency, distributed=a.distributed),
+                             as_json=a.json)
 
 
 if __name__ == "__main__":

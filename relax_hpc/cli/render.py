@@ -22,13 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relax_hpc.config.load import load_recipe
+    from relax_hpc.launch.checks import load_checked
     from relax_hpc.launch.sbatch import render_run
     from relax_hpc.launch.slurm_time import time_limit_warnings
     from relax_hpc.rundir import RunDir
     from relax_hpc.trainer.checks import check_trainer
 
-    cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
+    cfg = load_checked(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
     check_trainer(cfg)
     rd = RunDir(args.run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     scripts = render_run(rd, cfg)

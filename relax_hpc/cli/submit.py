@@ -34,12 +34,13 @@ def default_run_dir(name: str) -> Path:
 def prepare_run_dir(args: argparse.Namespace, cfg: Any = None, *, resume: bool = False) -> tuple[Any, Any]:
     """(RunDir, config): validate the recipe unless ``cfg`` is given, then create the run dir and write
     recipe.yaml + config.json (nothing is written before validation)."""
-    from relax_hpc.config.load import config_to_json, load_recipe
+    from relax_hpc.config.load import config_to_json
     from relax_hpc.fsio import atomic_write_json, atomic_write_text
+    from relax_hpc.launch.checks import load_checked
     from relax_hpc.rundir import RunDir
 
     if cfg is None:
-        cfg = load_recipe(args.recipe, args.overrides)
+        cfg = load_checked(args.recipe, args.overrides)
     root = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.name)
     run_dir = RunDir.create(root, name=cfg.name, resume=resume)
     text = Path(args.recipe).read_text()
@@ -73,9 +74,9 @@ def pick_executor(want: str, *, dry_run: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relax_hpc.config.load import load_recipe
+    from relax_hpc.launch.checks import load_checked
 
-    cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
+    cfg = load_checked(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
     from relax_hpc.weights.transport import deprecation, resolve
 
     resolve(cfg, warn=False)  # a weights.transport the mode or engine cannot use: one line (cli.main)
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_trainer(cfg)
     executor = pick_executor(args.executor or cfg.launch.executor, dry_run=args.dry_run)
-    from relax_hpc.config.preflight import preflight, start_warnings
+    from relax_hpc.launch.preflight import preflight, start_warnings
 
     # before any process starts or the run dir is created; a dry run for Slurm runs elsewhere: warnings only
     for warning in [*preflight(cfg, executor=executor, lenient=args.dry_run and executor == "slurm"),

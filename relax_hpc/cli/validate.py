@@ -23,10 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from relax_hpc.config.load import config_to_json, load_recipe
+    from relax_hpc.config.load import config_to_json
+    from relax_hpc.launch.checks import load_checked
     from relax_hpc.trainer.checks import check_trainer
 
-    cfg = load_recipe(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
+    cfg = load_checked(args.recipe, args.overrides)  # a ConfigError prints one line per problem (cli.main)
     check_trainer(cfg)  # the backend's own checks (megatron: the layout against the model)
     from relax_hpc.weights.transport import deprecation, resolve
 
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if (old := deprecation(cfg)) is not None:
         print(f"warning: {old}", file=sys.stderr)
     if not args.no_preflight:
-        from relax_hpc.config.preflight import preflight, resolve_executor, start_warnings
+        from relax_hpc.launch.preflight import preflight, resolve_executor, start_warnings
 
         # what this machine lacks (a GPU, the data) is an error for a local run, a warning for a Slurm one
         executor = resolve_executor(args.executor or cfg.launch.executor)

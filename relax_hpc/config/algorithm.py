@@ -68,13 +68,6 @@ class AlgorithmBase(Section):
     proximal: bool = False
     """Decoupled PPO: clip against the trainer's own recomputed log-probs (the proximal policy) and correct the
     behaviour mismatch with the truncated IS weight."""
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        from relax_hpc.algorithms.registry import check_algorithm_name
-
-        check_algorithm_name(v)
-        return v
 
 
 OWN_OPTIONS = ("sapo", "distill")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from relax_hpc.config.base import Section
 
@@ -85,12 +85,3 @@ class EnvConfig(Section):
     starts a new sample; an episode that would need more samples than this ends (counted as truncated)."""
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     """Sandbox of the code/shell tools."""
-
-    @model_validator(mode="after")
-    def _resolvable(self) -> EnvConfig:
-        from relax_hpc.envs.parsers import resolve_parser
-        from relax_hpc.envs.registry import check_env
-
-        check_env(self.name, self.kwargs)
-        resolve_parser(self.tool_parser)
-        return self

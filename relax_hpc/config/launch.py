@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -76,15 +76,6 @@ class RoleResources(Section):
     def _gpu_ids(cls, v: list[int] | None) -> list[int] | None:
         if v is not None and (not v or any(g < 0 for g in v)):
             raise ValueError("gpus must be a non-empty list of GPU ids >= 0 (or null: the environment's GPUs)")
-        return v
-
-    @field_validator("slurm")
-    @classmethod
-    def _known_slurm_params(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if v:
-            from relax_hpc.launch.slurm_params import check_slurm_params
-
-            check_slurm_params(v)
         return v
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from relax_hpc.config.base import Section
 
@@ -22,10 +22,3 @@ class RewardConfig(Section):
     """A reward that raises or returns NaN: count it, then score 0 (``zero``) or drop the whole group (``drop``)."""
     timeout_s: float = Field(60.0, gt=0)
     """Per-batch timeout of an async reward function."""
-
-    @model_validator(mode="after")
-    def _resolvable(self) -> RewardConfig:
-        from relax_hpc.rewards.registry import check_reward
-
-        check_reward(self.name, self.kwargs)
-        return self

@@ -1,9 +1,9 @@
 """Typed recipe schema: :class:`RecipeConfig`, assembled from one module per section (``config/model.py``,
 ``config/rollout.py``, ``config/trainer.py`` ...), whose classes are re-exported here. Imports no torch and no
-trainer or rollout code (the CLI, the launcher and the monitor validate recipes without them); the validators that
-check names against a registry (algorithms, rewards, environments, Slurm parameters) import it when they run. What
-needs a trainer backend's knowledge (the megatron layout against the model) is checked by
-:mod:`relax_hpc.trainer.checks`.
+trainer or rollout code (the CLI, the launcher and the monitor validate recipes without them). The names it holds
+(algorithm, reward, environment, tool parser, Slurm parameters) are checked against their registries by
+:mod:`relax_hpc.launch.checks`, what needs a trainer backend's knowledge (the megatron layout against the model) by
+:mod:`relax_hpc.trainer.checks`: the entry points call both after the schema.
 
 Precedence, stated once: ``--set`` overrides > recipe file > defaults. Every field has a docstring (shown by
 ``relax-hpc validate --explain`` and in docs/recipes.md). Sections with variants (``trainer`` by ``backend``,
@@ -183,13 +183,9 @@ class RecipeConfig(Section):
 
     @model_validator(mode="after")
     def _env_warmup(self) -> RecipeConfig:
-        if self.warmup.source == "env" and self.warmup.steps:
-            from relax_hpc.envs.registry import check_warmup_hook
-
-            if self.rollout.env is None:
-                raise ValueError("warmup.source: env needs rollout.env (an episode environment)")
-            check_warmup_hook(self.rollout.env.name)
-        return self
+        if self.warmup.source == "env" and self.warmup.steps and self.rollout.env is None:
+            raise ValueError("warmup.source: env needs rollout.env (an episode environment)")
+        return self  # the environment's warm-up hook: relax_hpc.launch.checks
 
     @field_validator("name")
     @classmethod

@@ -29,11 +29,12 @@ def run_config(rd: RunDir, overrides: list[str] | None = None) -> RecipeConfig:
     from relax_hpc.config.load import apply_overrides, validate_dict
     from relax_hpc.errors import ConfigError
     from relax_hpc.fsio import read_json
+    from relax_hpc.launch.checks import check_plugins
 
     if not rd.config.is_file():
         raise UserError(f"{rd.config} is missing: this run dir was never submitted")
     try:
-        cfg = validate_dict(apply_overrides(read_json(rd.config, expect=dict), overrides or []))
+        cfg = check_plugins(validate_dict(apply_overrides(read_json(rd.config, expect=dict), overrides or [])))
     except ConfigError:
         raise
     except ValueError as exc:

@@ -15,6 +15,7 @@ from relax_hpc.config.load import validate_resolved
 from relax_hpc.errors import ConfigError, UserError
 from relax_hpc.fsio import check_writable, read_json
 from relax_hpc.launch import slurm_cli
+from relax_hpc.launch.checks import check_plugins
 from relax_hpc.launch.runctl import proc_alive
 from relax_hpc.launch.slurm import launch, read_launch_record, write_launch_record
 from relax_hpc.roles import spec as roles
@@ -47,7 +48,7 @@ def resume_run(run_dir: RunDir | Path | str, *, executor: str | None = None, dry
     if not rd.config.is_file():
         raise UserError(f"{rd.config} is missing: this run dir was never submitted")
     try:
-        cfg = validate_resolved(read_json(rd.config, expect=dict))
+        cfg = check_plugins(validate_resolved(read_json(rd.config, expect=dict)))
     except ValueError as exc:
         problems = exc.problems if isinstance(exc, ConfigError) else [str(exc)]
         raise UserError(f"{rd.config} does not validate any more: {'; '.join(problems)}") from None

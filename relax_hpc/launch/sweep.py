@@ -21,11 +21,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.config.load import config_to_json, load_recipe
+from relax_hpc.config.load import config_to_json
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.errors import ConfigError, UserError
 from relax_hpc.fsio import atomic_write_json, atomic_write_text, read_json
 from relax_hpc.launch import slurm_cli
+from relax_hpc.launch.checks import load_checked
 from relax_hpc.launch.sbatch import default_pythonpath, render_sweep, sweep_mode_problem
 from relax_hpc.roles import spec as roles
 from relax_hpc.rundir import RunDir, SweepDir, proc_name
@@ -84,7 +85,7 @@ def prepare(recipe: Path | str, grid_items: Sequence[str], sweep_dir: Path | str
     cfgs, runs = [], []
     for i, combo in enumerate(combos):
         try:
-            cfgs.append(load_recipe(recipe, [*overrides, *combo]))
+            cfgs.append(load_checked(recipe, [*overrides, *combo]))
             check_trainer(cfgs[-1])
         except UserError as exc:
             problems = exc.problems if isinstance(exc, ConfigError) else [str(exc)]

@@ -66,7 +66,7 @@ class Colocate:
         tok = r.policy.tokenizer
         shared = self.trainer.generation_model()
         self.trainer.state_on_every_rank = shared is None  # each rank's own engine model receives the whole state
-        self.engine = C.build_engine(cfg, tok, seed=cfg.seed + rank, model=shared,
+        self.engine = C.build_engine(cfg, tok, seed=cfg.seed + rank, model=shared, colocated=True,
                                      device=r.policy.device if shared is not None else None)
         if wrap_engine is not None:
             self.engine = wrap_engine(self.engine)

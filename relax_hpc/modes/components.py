@@ -98,13 +98,14 @@ def build_aux_models(cfg: RecipeConfig, policy: Policy) -> tuple[Module | None, 
 
 
 def build_engine(cfg: RecipeConfig, tokenizer: Tokenizer, *, seed: int, model: Module | None = None,
-                 device: str | None = None, **server: Any) -> RolloutEngine:
+                 device: str | None = None, colocated: bool = False, **server: Any) -> RolloutEngine:
     """The recipe's rollout engine: on ``model`` (colocate: the trainer's module, shared) or, with None, on weights
-    of its own loaded from ``cfg.model`` (a fully_async worker holds no model). ``server``: ``run_dir``, ``proc``,
-    ``events`` for the server engines."""
+    of its own loaded from ``cfg.model`` (a fully_async worker holds no model; ``colocated``: the colocate engine
+    of a trainer with no module to share). ``server``: ``run_dir``, ``proc``, ``events`` for the server engines."""
     from relax_hpc.rollout.factory import make_engine
 
-    return make_engine(cfg, device=device, seed=seed, tokenizer=tokenizer, model=model, **server)
+    return make_engine(cfg, device=device, seed=seed, tokenizer=tokenizer, model=model, colocated=colocated,
+                       **server)
 
 
 def worker_seeds(cfg: RecipeConfig, rank: int, incarnation: int) -> tuple[int, int]:

@@ -885,8 +885,11 @@ def _poolable(model: Any) -> bool:
     return supported(model)
 
 
-def from_config(cfg: Any, *, device: str | None, seed: int, tokenizer: Any, model: Any = None) -> HFEngine:
-    """The ``hf`` engine of a recipe: on ``model`` (shared, colocate) or on its own copy loaded from ``cfg.model``."""
+def from_config(cfg: Any, *, device: str | None, seed: int, tokenizer: Any, model: Any = None,
+                colocated: bool = False) -> HFEngine:
+    """The ``hf`` engine of a recipe: on ``model`` (shared, colocate) or on its own copy loaded from ``cfg.model``.
+    ``colocated``: it runs beside the trainer (colocate), on the trainer's module or, where the trainer's module is
+    no HF model (megatron), on a copy of its own."""
     from relax_hpc.models.load import load_model, resolve_device, resolve_dtype
 
     shared = model is not None
@@ -896,8 +899,9 @@ def from_config(cfg: Any, *, device: str | None, seed: int, tokenizer: Any, mode
     dev = device or str(next(model.parameters()).device)
     r = cfg.rollout
     # an engine of its own (fully_async workers, eval, GenRM) keeps a pool of batch_prompts x n_samples decode
-    # slots full as requests arrive; the trainer's shared engine (colocate) decodes each step's batch at once
-    slots = 0 if shared else r.batch_prompts * r.n_samples
+    # slots full as requests arrive; the trainer's engine (colocate) decodes each step's batch at once, on a copy of
+    # its own too: the same samples whichever backend trains (the pool draws its samples in another order)
+    slots = 0 if shared or colocated else r.batch_prompts * r.n_samples
     return HFEngine(model, tokenizer, r.sampling, device=dev, batch_prompts=r.batch_prompts, seed=seed,
                     decoder=r.hf_decoder if r.engine == "hf" else "auto", shared=shared, threaded=not shared,
                     slots=slots, slot_length=cfg.data.max_prompt_tokens + r.sampling.max_new_tokens,

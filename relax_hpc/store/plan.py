@@ -166,14 +166,21 @@ def _writer_queues(rd: RunDir, sel: Selection, extra_refs: Callable[[str, int], 
     for w in sorted(set(list_writers(rd)) | set(sel.writers)):
         seq, g, _ = sel.writers.get(w, _NOTHING)
         found = scan_shards_cached(rd, w, seq, fresh=fresh)
-        if g > 0 and (not found or found[0][0] != seq):
-            moved = extra_refs(w, seq)
-            if moved is not None:
-                found.insert(0, (moved.seq, moved.num_samples, moved.num_groups, moved.min_version, moved.max_version))
-        if found:
-            found.reverse()  # the next shard is the last item
-            queues[w] = found
+        _queue(queues, w, found, seq, g, extra_refs)
     return queues
+
+
+def _queue(queues: dict[str, _Queue], w: str, found: _Queue, seq: int, g: int,
+           extra_refs: Callable[[str, int], ShardRef | None]) -> None:
+    """Writer ``w``'s queue from its shards ``found`` (from its position ``seq`` on, ``g`` groups of it consumed):
+    its partly consumed shard, moved to quarantine, first where ``found`` lacks it; the next shard last."""
+    if g > 0 and (not found or found[0][0] != seq):
+        moved = extra_refs(w, seq)
+        if moved is not None:
+            found.insert(0, (moved.seq, moved.num_samples, moved.num_groups, moved.min_version, moved.max_version))
+    if found:
+        found.reverse()  # the next shard is the last item
+        queues[w] = found
 
 
 def _index_queues(rd: RunDir, sel: Selection, index: Announced,
@@ -189,13 +196,7 @@ def _index_queues(rd: RunDir, sel: Selection, index: Announced,
         if gap and (found or g > 0):
             sel.stats["index_gaps"] = sel.stats.get("index_gaps", 0) + 1
             found = scan_shards_cached(rd, w, seq, fresh=True)
-        if g > 0 and (not found or found[0][0] != seq):
-            moved = extra_refs(w, seq)
-            if moved is not None:
-                found.insert(0, (moved.seq, moved.num_samples, moved.num_groups, moved.min_version, moved.max_version))
-        if found:
-            found.reverse()  # the next shard is the last item
-            queues[w] = found
+        _queue(queues, w, found, seq, g, extra_refs)
     return queues
 
 

@@ -120,7 +120,9 @@ class TrainerSession:
         """The backend's sharded format, if it reads checkpoint ``path`` (``info``: its state JSON's ``sharded``);
         otherwise one :class:`UserError` naming the settings the checkpoint loads with."""
         layout = info.get("layout") or {}
-        differ = {k: v for k, v in layout.items() if _setting(self.cfg, k) != v}
+        # a setting this run's config has no field for (trainer.megatron.tp with trainer.backend: torch) is named by
+        # the setting that selects its section (trainer.backend), which differs too
+        differ = {k: v for k, v in layout.items() if _setting(self.cfg, k) not in (v, _ABSENT)}
         if self.sharded is not None and self.sharded.name == info.get("format") and not differ:
             return self.sharded
         want = ", ".join(f"{k}: {json.dumps(v)}" for k, v in (differ or layout).items())
@@ -234,9 +236,16 @@ class TrainerSession:
         self.events.event("exported", f"final model exported to {final}", step=self.trainer.step, path=str(final))
 
 
+_ABSENT = object()
+"""The value of a setting the config has no field for."""
+
+
 def _setting(cfg: RecipeConfig, dotted: str) -> Any:
-    """The value of the recipe setting ``dotted`` (``trainer.megatron.tp``), None where there is no such field."""
-    value: Any = cfg
+    """The value of the recipe setting ``dotted`` (``trainer.megatron.tp``), :data:`_ABSENT` where the config has no
+    such field (the section of a variant not selected)."""
+    value: Any = cfg.model_dump(mode="json")
     for name in dotted.split("."):
-        value = getattr(value, name, None)
+        if not isinstance(value, dict) or name not in value:
+            return _ABSENT
+        value = value[name]
     return value

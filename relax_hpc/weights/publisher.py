@@ -43,6 +43,7 @@ from relax_hpc.fsio import (
     atomic_write_json,
     atomic_write_text,
     fsync_dir,
+    fsync_file,
     is_complete,
     oserror_message,
     read_json,
@@ -353,7 +354,7 @@ class SnapshotPublisher:
                 except OSError as exc:
                     tmp.unlink(missing_ok=True)
                     raise RunDirError(oserror_message(exc, path)) from exc
-                synced.append((path, flusher.submit(_fsync, path)))
+                synced.append((path, flusher.submit(fsync_file, path)))
                 streams.append(stream)
                 files.append({"name": path.name, "bytes": nbytes, "tensors": [k for k, _ in group]})
             for path, done in synced:
@@ -597,9 +598,3 @@ class _Inline:
         return None
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

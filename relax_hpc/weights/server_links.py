@@ -76,7 +76,14 @@ def destroy_group(pg: Any) -> None:
 
 
 class ServerLinks:
-    """Trainer rank 0: serve the newest weights to the servers of rollout workers ``0..num_workers-1``."""
+    """Trainer rank 0: serve the newest weights to the servers of rollout workers ``0..num_workers-1``.
+
+    The link (announcement, requests, answers) is this class's; the group and the broadcast are the hooks
+    :meth:`form_group`, :meth:`broadcast_bucket` and :meth:`end_group` (torch c10d here, vLLM's own classes in
+    :class:`~relax_hpc.weights.vllm_transfer.VLLMServerLinks`)."""
+
+    group_prefix = "relax_weights"
+    """The group's name is ``<group_prefix>_<worker>_<generation>``."""
 
     def __init__(self, run_dir: RunDir, num_workers: int, *, world_size: int, backend: str = "gloo",
                  timeout_s: float = 300.0, bucket_bytes: int = 256 << 20, device: str = "cpu"):
@@ -149,18 +156,38 @@ class ServerLinks:
         buckets = [[[n, str(sd[n].dtype).removeprefix("torch."), list(sd[n].shape)] for n in names]
                    for names in bucket_names(sd, self.bucket_bytes)]
         info = {"host": link_host(), "port": link_port(), "control_port": control_port, "world_size": self.world_size,
-                "group_name": f"relax_weights_{worker}_{generation}", "generation": generation,
-                "backend": self.backend, "buckets": buckets, "pid": os.getpid(), "time": time.time()}
+                "group_name": f"{self.group_prefix}_{worker}_{generation}", "generation": generation,
+                "backend": self.backend, **self.link_fields(), "buckets": buckets, "pid": os.getpid(),
+                "time": time.time()}
         path = link_file(self.run_dir, worker)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, info, indent=None)
         return info
 
+    def link_fields(self) -> dict[str, Any]:
+        """Fields the announcement carries besides the common ones (none here)."""
+        return {}
+
+    def form_group(self, control: Any, info: dict[str, Any]) -> Any:
+        """Form the group of the announced link (blocks until the worker's server joins)."""
+        return init_group(self.backend, info["host"], info["port"], rank=0, world_size=self.world_size,
+                          group_name=info["group_name"], timeout_s=self.timeout_s)
+
+    def broadcast_bucket(self, group: Any, tensors: list[tuple[str, Any]]) -> None:
+        """Broadcast one bucket's tensors (rank 0 the source), in order."""
+        import torch.distributed as dist
+
+        for _, t in tensors:
+            dist.broadcast(t.contiguous(), src=0, group=group)
+
+    def end_group(self, group: Any) -> None:
+        destroy_group(group)
+
     def _answer(self, worker: int, control: Any, info: dict[str, Any]) -> None:
         """Answer the worker's requests on ``control`` until a failure or :meth:`close`."""
         import torch.distributed as dist
 
-        pg = None
+        group = None
         n = 0
         try:
             while not self._stop.is_set():
@@ -177,17 +204,15 @@ class ServerLinks:
                 n += 1
                 if version == NOTHING or latest is None:
                     continue
-                if pg is None:
-                    pg = init_group(self.backend, info["host"], info["port"], rank=0, world_size=self.world_size,
-                                    group_name=info["group_name"], timeout_s=self.timeout_s)
+                if group is None:
+                    group = self.form_group(control, info)
                 views = latest[1].views()
                 for bucket in info["buckets"]:
-                    for name, _, _ in bucket:
-                        dist.broadcast(views[name].contiguous(), src=0, group=pg)
+                    self.broadcast_bucket(group, [(name, views[name]) for name, _, _ in bucket])
                 self.sent[worker] = self.sent.get(worker, 0) + 1
         finally:
-            if pg is not None:
-                destroy_group(pg)
+            if group is not None:
+                self.end_group(group)
 
 
 def link_host() -> str:

@@ -24,14 +24,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import time
 from collections.abc import Iterable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from relax_hpc.fsio import atomic_write_json
-from relax_hpc.weights.server_links import NOTHING, ServerLinks, link_file
+from relax_hpc.weights.server_links import ServerLinks
 
 if TYPE_CHECKING:
     from relax_hpc.config.schema import RecipeConfig
@@ -96,61 +92,26 @@ class VLLMServerLinks(ServerLinks):
         super().__init__(run_dir, num_workers, world_size=world_size, backend=BACKEND, timeout_s=timeout_s,
                          bucket_bytes=bucket_bytes, device=device)
 
-    def _announce(self, worker: int, generation: int, control_port: int) -> dict[str, Any]:
-        from relax_hpc.rendezvous import bucket_names
-        from relax_hpc.weights.server_links import link_host, link_port
+    group_prefix = "relax_vllm_weights"
 
-        assert self._latest is not None
-        sd = self._latest[1].views()
-        buckets = [[[n, str(sd[n].dtype).removeprefix("torch."), list(sd[n].shape)] for n in names]
-                   for names in bucket_names(sd, self.bucket_bytes)]
-        info = {"host": link_host(), "port": link_port(), "control_port": control_port, "world_size": self.world_size,
-                "group_name": f"relax_vllm_weights_{worker}_{generation}", "generation": generation,
-                "backend": BACKEND, "packed": {"packed": self.packed, "buffer_size_bytes": self.buffer_size_bytes,
-                                               "num_buffers": self.num_buffers},
-                "buckets": buckets, "pid": os.getpid(), "time": time.time()}
-        path = link_file(self.run_dir, worker)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, info, indent=None)
-        return info
+    def link_fields(self) -> dict[str, Any]:
+        return {"packed": {"packed": self.packed, "buffer_size_bytes": self.buffer_size_bytes,
+                           "num_buffers": self.num_buffers}}
 
-    def _answer(self, worker: int, control: Any, info: dict[str, Any]) -> None:
-        """Answer the worker's requests on ``control`` until a failure or :meth:`close` (the protocol of
-        :meth:`ServerLinks._answer`; the group and the broadcast are vLLM's)."""
-        import torch.distributed as dist
+    def form_group(self, control: Any, info: dict[str, Any]) -> Any:
+        """vLLM's group, of 1 + the server's ranks (set on the control store by the worker's engine)."""
+        world = int(control.get("world_size").decode()) if control.check(["world_size"]) else self.world_size
+        return open_group(info["host"], info["port"], world, self.device)
 
-        group = None
-        n = 0
+    def broadcast_bucket(self, group: Any, tensors: list[tuple[str, Any]]) -> None:
+        send(group, tensors, packed=self.packed, buffer_size_bytes=self.buffer_size_bytes,
+             num_buffers=self.num_buffers)
+
+    def end_group(self, group: Any) -> None:
         try:
-            while not self._stop.is_set():
-                key = f"want/{n}"
-                try:
-                    control.wait([key], timedelta(seconds=1.0))
-                except (RuntimeError, dist.DistError):
-                    continue
-                have = int(control.get(key).decode())
-                with self._lock:
-                    latest = self._latest
-                version = latest[0] if latest is not None and latest[0] > have else NOTHING
-                control.set(f"send/{n}", str(version))
-                n += 1
-                if version == NOTHING or latest is None:
-                    continue
-                if group is None:
-                    world = int(control.get("world_size").decode()) if control.check(["world_size"]) \
-                        else self.world_size
-                    group = open_group(info["host"], info["port"], world, self.device)
-                views = latest[1].views()
-                for bucket in info["buckets"]:
-                    send(group, [(name, views[name]) for name, _, _ in bucket], packed=self.packed,
-                         buffer_size_bytes=self.buffer_size_bytes, num_buffers=self.num_buffers)
-                self.sent[worker] = self.sent.get(worker, 0) + 1
-        finally:
-            if group is not None:
-                try:
-                    group.destroy()
-                except Exception as exc:  # a group broken by a dead peer may not shut down cleanly
-                    log.debug("vllm weights group destroy: %s", exc)
+            group.destroy()
+        except Exception as exc:  # a group broken by a dead peer may not shut down cleanly
+            log.debug("vllm weights group destroy: %s", exc)
 
 
 def vllm_links(run_dir: RunDir, cfg: RecipeConfig, *, device: str, events: Any = None) -> VLLMServerLinks | None:
@@ -162,6 +123,9 @@ def vllm_links(run_dir: RunDir, cfg: RecipeConfig, *, device: str, events: Any =
             events.event("weight_sync_files", f"rollout.server.weight_sync=distributed with the vllm engine: {why}; "
                          "the vllm servers load the snapshot files", level="warning")
         return None
+    from relax_hpc.config.rollout import VLLMRolloutConfig
+
+    assert isinstance(cfg.rollout, VLLMRolloutConfig), "the vllm engine's links (weights/transport/server.py)"
     server = cfg.rollout.server
     return VLLMServerLinks(run_dir, cfg.rollout.num_workers, world_size=1 + server.tp_size,
                            timeout_s=server.sync_timeout_s, device=device)

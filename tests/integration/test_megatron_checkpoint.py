@@ -161,8 +161,6 @@ def _session(cfg: Any, run: Path, trainer: Any) -> Any:
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(strict=False, reason="known regression after the config-union merge: the error is no longer one "
-                   "line (open in issue 27)")
 def test_a_dist_checkpoint_is_one_error_in_the_torch_backend_and_at_another_tp(runs: dict[str, Path],
                                                                                 tmp_path: Path) -> None:
     import torch

@@ -43,8 +43,6 @@ def _run(tmp_path: Path, backend: str, device: str = "cpu") -> list[dict[str, fl
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(strict=False, reason="known regression after the sample-record / transport merges: the two "
-                   "backends' rewards part at a later step on the CPU (open in issue 27)")
 @pytest.mark.parametrize("device", ["cpu", ON_THE_GPU])
 def test_demo_colocate_with_megatron_matches_the_torch_backend(tmp_path: Path, device: str) -> None:
     """On the CPU (float32, the same math) the two backends agree to rounding at every step. On the GPU the kernels

@@ -9,14 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pydantic
 import pytest
 import torch
 
 from relax_hpc.algorithms.base import PG_LOSS, Algorithm, LossInputs
 from relax_hpc.algorithms.registry import BUILTIN, check_algorithm_name, get_algorithm
+from relax_hpc.config.load import validate_dict
 from relax_hpc.config.schema import algorithm_config
 from relax_hpc.errors import ConfigError
+from relax_hpc.launch.checks import check_plugins
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN))
@@ -45,8 +46,8 @@ def test_check_importing_builtins_needs_no_torch() -> None:
 def test_unknown_name_lists_valid_ones(name: str) -> None:
     with pytest.raises(ValueError, match=r"registered: distill, grpo, gspo, sapo \(or module:attr\)"):
         check_algorithm_name(name)
-    with pytest.raises(pydantic.ValidationError, match="distill, grpo, gspo, sapo"):
-        algorithm_config(name=name)
+    with pytest.raises(ConfigError, match=r"^algorithm\.name: .*distill, grpo, gspo, sapo"):
+        check_plugins(validate_dict({"data": {"task": {}}, "algorithm": {"name": name}}))
     with pytest.raises(ConfigError, match="unknown algorithm"):
         get_algorithm(name)
 
@@ -121,7 +122,7 @@ def test_bad_user_algorithms_are_config_problems(user_module: str) -> None:
         check_algorithm_name("no_such_module_xyz:ALGO")
     with pytest.raises(ValueError, match="unknown algorithm"):
         check_algorithm_name(f"{user_module}:")
-    with pytest.raises(pydantic.ValidationError, match="cannot import algorithm"):
-        algorithm_config(name=f"{user_module}:MISSING")
+    with pytest.raises(ConfigError, match="cannot import algorithm"):
+        check_plugins(validate_dict({"data": {"task": {}}, "algorithm": {"name": f"{user_module}:MISSING"}}))
     with pytest.raises(ConfigError, match="has no"):
         get_algorithm(f"{user_module}:NOT_AN_ALGORITHM")

@@ -199,3 +199,18 @@ def test_a_sharded_checkpoint_another_trainer_cannot_read_is_one_error(rd: RunDi
     with pytest.raises(UserError, match=r"loads only with trainer\.micro_batch_tokens: 40 \(this run has "
                                         r"trainer\.micro_batch_tokens: 64\)"):
         _session(rd, Stub(Stand(tokens=64)), micro_batch_tokens=64).resume()
+
+
+def test_a_checkpoint_of_another_backend_is_named_by_the_backend_alone(rd: RunDir) -> None:
+    """A torch run has no ``trainer.megatron`` section: the error names the backend setting, not every megatron
+    setting as null."""
+
+    class Megatron(Stand):
+        def layout(self) -> dict[str, Any]:
+            return {"trainer.backend": "megatron", "trainer.megatron.tp": 1, "trainer.megatron.pp": 1}
+
+    _save(rd, 2, Megatron())
+    with pytest.raises(UserError) as err:
+        _session(rd, Stub(Stand())).resume()
+    assert 'loads only with trainer.backend: "megatron" (this run has trainer.backend: "torch"); ' in str(err.value)
+    assert "megatron.tp" not in str(err.value) and "\n" not in str(err.value)

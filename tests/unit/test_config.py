@@ -11,6 +11,7 @@ import pytest
 from relax_hpc.cli import main
 from relax_hpc.config.load import apply_overrides, config_to_json, load_recipe, parse_override, validate_dict
 from relax_hpc.errors import ConfigError
+from relax_hpc.launch.checks import check_plugins, load_checked
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
@@ -59,9 +60,11 @@ def test_problems_one_line_each(tmp_path: Path) -> None:
 
 
 def test_unknown_reward_function_is_a_config_problem(tmp_path: Path) -> None:
+    """The schema imports no reward code; the entry points check the names after it (relax_hpc.launch.checks)."""
     demo = RECIPES[0].parent / "demo.yaml"
-    with pytest.raises(ConfigError, match="reward"):
-        load_recipe(demo, ["reward.name=no_such_module_xyz:fn"])
+    with pytest.raises(ConfigError, match=r"^reward: .*no_such_module_xyz"):
+        load_checked(demo, ["reward.name=no_such_module_xyz:fn"])
+    assert load_recipe(demo, ["reward.name=no_such_module_xyz:fn"]).reward.name == "no_such_module_xyz:fn"
 
 
 @pytest.mark.parametrize("content, needle", [
@@ -96,3 +99,17 @@ def test_recipe_reference_is_up_to_date() -> None:
     proc = subprocess.run([sys.executable, str(repo / "tools" / "gen_recipe_reference.py"), "--check"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_plugin_problem_is_one_line_naming_its_setting() -> None:
+    """relax_hpc.launch.checks after the schema: each name that does not check is a line of its own, led by the
+    setting that holds it (as the schema's validators wrote them)."""
+    cfg = validate_dict({"data": {"task": {}}, "algorithm": {"name": "nosuchalgo"}, "reward": {"name": "nosuchreward"},
+                         "launch": {"rollout": {"slurm": {"exlude": "n1"}}}})
+    with pytest.raises(ConfigError) as err:
+        check_plugins(cfg)
+    lines = err.value.problems
+    assert [line.split(":")[0] for line in lines] == ["algorithm.name", "reward", "launch.rollout.slurm"], lines
+    assert "'nosuchalgo'" in lines[0] and "nosuchreward" in lines[1] and "unknown Slurm parameter 'exlude'" in lines[2]
+    assert all("\n" not in line for line in lines)
+    assert check_plugins(validate_dict({"data": {"task": {}}})) is not None

@@ -1,4 +1,5 @@
-"""Environments, tools and parsers named in a recipe are checked when it is validated: one clear error line."""
+"""Environments, tools and parsers named in a recipe are checked when it is validated (the schema, then
+relax_hpc.launch.checks, as ``validate`` and ``submit`` do): one clear error line."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from relax_hpc.envs.api import ToolCall
 from relax_hpc.envs.parsers import HermesParser
 from relax_hpc.envs.tools import Tool, ToolSet
 from relax_hpc.errors import ConfigError
+from relax_hpc.launch.checks import check_plugins
+
+
+def validated(data):
+    return check_plugins(validate_dict(data))
 
 
 def recipe(**env):
@@ -62,18 +68,18 @@ def user_file(tmp_path: Path) -> str:
 
 def one_line_error(data) -> str:
     with pytest.raises(ConfigError) as e:
-        validate_dict(data)
+        validated(data)
     msg = str(e.value)
     assert "\n" not in msg and "Traceback" not in msg
     return msg
 
 
 def test_good_env_and_builtins_validate(user_file: str) -> None:
-    cfg = validate_dict(recipe(name=f"{user_file}:Good", kwargs={"level": 3}))
+    cfg = validated(recipe(name=f"{user_file}:Good", kwargs={"level": 3}))
     assert cfg.rollout.env is not None and cfg.rollout.env.kwargs == {"level": 3}
     for name in ("calculator", "python_tool", "guess_number", "digit_lookup"):
-        validate_dict(recipe(name=name))
-    validate_dict(recipe(name="digit_lookup", tool_parser="relax_hpc.envs.builtin.lookup:DigitCallParser"))
+        validated(recipe(name=name))
+    validated(recipe(name="digit_lookup", tool_parser="relax_hpc.envs.builtin.lookup:DigitCallParser"))
 
 
 @pytest.mark.parametrize(("env", "words"), [
@@ -172,7 +178,7 @@ def test_env_warmup_needs_an_env_with_the_hook() -> None:
     warm = {"steps": 5, "source": "env"}
     assert "needs rollout.env" in one_line_error({"data": {"task": {"name": "copy_digits"}}, "warmup": warm})
     assert "has no method warmup_examples" in one_line_error({**recipe(name="calculator"), "warmup": warm})
-    cfg = validate_dict({**recipe(name="digit_lookup"), "warmup": warm})
+    cfg = validated({**recipe(name="digit_lookup"), "warmup": warm})
     assert cfg.warmup.source == "env"
 
 

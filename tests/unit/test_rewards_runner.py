@@ -14,6 +14,7 @@ import pytest
 from relax_hpc.config.load import validate_dict
 from relax_hpc.config.schema import RewardConfig
 from relax_hpc.errors import ConfigError
+from relax_hpc.launch.checks import check_plugins
 from relax_hpc.rewards import RewardRunner, batched, check_reward
 
 HERE = sys.modules[__name__].__name__
@@ -196,7 +197,7 @@ def test_user_function_in_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def _one_line_error(name: str, **kw) -> str:
     with pytest.raises(ConfigError) as info:
-        validate_dict({"data": {"task": {}}, "reward": {"name": name, **kw}})
+        check_plugins(validate_dict({"data": {"task": {}}, "reward": {"name": name, **kw}}))
     assert len(info.value.problems) == 1
     line = info.value.problems[0]
     assert "\n" not in line and line.startswith("reward")
@@ -216,7 +217,8 @@ def test_validation_rejects_bad_rewards_with_one_line(tmp_path: Path):
 
 
 def test_validation_accepts_good_rewards():
-    cfg = validate_dict({"data": {"task": {}}, "reward": {"name": "format", "kwargs": {"pattern": "a+"}}})
+    cfg = check_plugins(validate_dict({"data": {"task": {}},
+                                       "reward": {"name": "format", "kwargs": {"pattern": "a+"}}}))
     assert cfg.reward.kwargs == {"pattern": "a+"}
     check_reward("math_answer", {"timeout_s": 3})
     check_reward(f"{HERE}:sync_batched", {})

@@ -16,6 +16,7 @@ import pytest
 
 from relax_hpc.config.load import validate_dict
 from relax_hpc.errors import ConfigError, UserError
+from relax_hpc.launch.checks import check_plugins
 from relax_hpc.launch.sbatch import render_rollout_array, render_run, render_sweep, templates_dir
 from relax_hpc.launch.slurm_params import check_slurm_params, directive_quote, valid_slurm_params
 
@@ -169,7 +170,7 @@ def test_unknown_slurm_parameter_lists_valid_ones() -> None:
     assert "\n" not in msg
     # the same through the recipe (one line per problem, pointing at the field)
     with pytest.raises(ConfigError) as err2:
-        recipe(launch__trainer__slurm={"exlude": "node3"})
+        check_plugins(recipe(launch__trainer__slurm={"exlude": "node3"}))
     assert any("launch.trainer.slurm" in p and "valid parameters" in p for p in err2.value.problems)
 
 

@@ -14,7 +14,8 @@ CORE = [
     "relax_hpc/rollout/slots.py", "relax_hpc/bench/lengths.py",
     "relax_hpc/trainer/backend.py", "relax_hpc/roles", "relax_hpc/config", "relax_hpc/modes",
     "relax_hpc/weights/fastpath.py", "relax_hpc/weights/server_links.py", "relax_hpc/weights/transport",
-    "relax_hpc/trainer/gpu_checkpoint.py",
+    "relax_hpc/trainer/gpu_checkpoint.py", "relax_hpc/trainer/session.py", "relax_hpc/launch/checks.py",
+    "relax_hpc/launch/preflight.py", "relax_hpc/weights/vllm_transfer.py", "relax_hpc/rollout/factory.py",
 ]
 
 
