@@ -279,9 +279,11 @@ def version_spans(samples: Sequence[Sample], default: int) -> tuple[list[int], l
 
 
 def build_groups(prompts: Sequence[Prompt], generated: list[list[Sample]], result: RewardResult, *, writer_id: str,
-                 counter: int, default_version: int) -> tuple[list[SampleGroup], dict[str, float]]:
-    """The store groups of scored samples: each sample gets its reward (and named parts), versions, group id, prompt
-    (a sample without its own), the prompt's tensors and metadata, in place. A group with a sample whose reward
+                 counter: int, default_version: int,
+                 group_ids: Sequence[str] | None = None) -> tuple[list[SampleGroup], dict[str, float]]:
+    """The store groups of scored samples: each sample gets its reward (and named parts), versions, group id
+    (``<writer_id>:<counter + i>``, or ``group_ids[i]``), prompt (a sample without its own), the prompt's tensors and
+    metadata, in place. A group with a sample whose reward
     failed under ``on_error=drop`` is dropped whole (counted). A sample's ``version`` is its oldest generated
     token's. A group without samples (every episode of a multi-turn group failed before finishing one) is left out
     (counted). Returns (groups, counts)."""
@@ -301,7 +303,7 @@ def build_groups(prompts: Sequence[Prompt], generated: list[list[Sample]], resul
         if not group:
             empty += 1
             continue
-        group_id = f"{writer_id}:{counter + i}"
+        group_id = f"{writer_id}:{counter + i}" if group_ids is None else group_ids[i]
         prompt_ids = None
         prompt_meta = {"prompt": prompt.meta} if prompt.meta else {}
         for j, s in zip(idx, group):
