@@ -1,8 +1,9 @@
 """Partial rollouts in colocate (``rollout.partial``) end to end: the demo's tiny model with random weights (no
 warm-up, a learning rate too small to move it) samples EOS about once in 18 tokens, so its responses are a
-long-tailed length mix; each step starts 1.5x the groups it trains, aborts the tail and carries it over. A SIGTERM mid-run checkpoints the carry buffer; the resume
-starts its prompts afresh. The audit: every prompt the data cursor took was trained exactly once, or is in the final
-carry buffer, or was dropped for staleness (counted) -- by the prompts' dataset positions stored with the samples."""
+long-tailed length mix; each step starts 1.5x the groups it trains, aborts the tail and carries it over. A SIGTERM
+mid-run checkpoints the carry buffer; the resume starts its prompts afresh. The audit: every prompt the data cursor
+took was trained exactly once, or is in the final carry buffer, or was dropped for staleness (counted) -- by the
+prompts' dataset positions stored with the samples."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from tests.helpers.runutil import DEMO, REPO, cli, events, metrics
 STEPS = 8
 ARGS = ["--set", f"num_steps={STEPS}", "--set", "warmup.steps=0", "--set", "rollout.prompts_per_step=8",
         "--set", "rollout.n_samples=4", "--set", "rollout.sampling.max_new_tokens=64",
-        "--set", "model.tiny.max_position=128", "--set", "store.retention=keep", "--set", "trainer.checkpoint_every=50",
-        "--set", "trainer.async_checkpoint=false", "--set", "trainer.lr=1e-7", "--set", 'rollout.partial={"overprovision": 1.5}']
+        "--set", "model.tiny.max_position=128", "--set", "store.retention=keep",
+        "--set", "trainer.checkpoint_every=50", "--set", "trainer.async_checkpoint=false", "--set", "trainer.lr=1e-7",
+        "--set", 'rollout.partial={"overprovision": 1.5}']
 
 
 def _stop_after(run: Path, steps: int, timeout_s: float = 120) -> int:
