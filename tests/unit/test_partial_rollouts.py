@@ -101,15 +101,15 @@ class _Tokenizer:
 
 
 class _Law:
-    """Every third group runs long (it is still decoding when the others are whole); a continued request ends at
-    once (its prefix already used its budget), so a carried group is whole in its next step."""
+    """Each group's response budget (the length mix keys it by the group's id): 3 tokens unless set."""
 
     cap = 2000
 
-    def length(self, request_id: str) -> int:
-        if "/c" in request_id:
-            return 1
-        return 2000 if int(request_id.split(":")[1].split("/")[0]) % 3 == 2 else 3
+    def __init__(self) -> None:
+        self.budgets: dict[str, int] = {}
+
+    def length(self, group_id: str) -> int:
+        return self.budgets.get(group_id, 3)
 
     def describe(self) -> str:
         return "test"
@@ -132,7 +132,9 @@ def test_three_steps_write_each_group_once_carry_the_tail_and_drop_the_too_old(e
     from relax_hpc.store.layout import list_shards, store_paths
 
     rd = RunDir.create(tmp_path / "run")
-    driver = RolloutDriver(LengthMixEngine(engine, _Law()), _Tokenizer(),
+    law = _Law()
+    law.budgets = {"w:2": 2000, "w:5": 2000}  # still decoding when the others are whole
+    driver = RolloutDriver(LengthMixEngine(engine, law), _Tokenizer(),
                            RewardRunner(RewardConfig(name="digits_positional")),
                            sampling=SamplingParams(n=2, temperature=1.0, max_new_tokens=2000), writer_id="w",
                            writer=ShardWriter(rd, "w"))
@@ -152,6 +154,7 @@ def test_three_steps_write_each_group_once_carry_the_tail_and_drop_the_too_old(e
         assert [g.group_id for g in partial.buffer.groups] == ["w:2", "w:5"]
         assert all(len(s.response_ids) > 0 for g in partial.buffer.groups for s in g.samples)
         engine.version = 1  # as after a training step
+        law.budgets = {"w:2": 1, "w:5": 1, "w:8": 2000}  # 2 and 5 end at once: their prefixes used the budget
         second = partial.step(take)  # 2 and 5 continue (whole at once), 6, 7, 9 whole, 8 long: carried
         ids = sorted(g.group_id for g in second.groups)
         assert {"w:2", "w:5"} <= set(ids) and "w:8" not in ids and len(ids) >= 4
