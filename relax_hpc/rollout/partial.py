@@ -97,7 +97,8 @@ class CarryBuffer:
     def take(self, version: int) -> tuple[list[PendingGroup], list[Prompt], list[PendingGroup]]:
         """Empty the buffer for a step generating with ``version``: (groups to continue, prompts to restart, groups
         dropped because their oldest token would be more than ``max_staleness`` versions behind when trained)."""
-        keep, drop = [], []
+        keep: list[PendingGroup] = []
+        drop: list[PendingGroup] = []
         for g in self.groups:
             oldest = g.oldest_version()
             (drop if oldest is not None and version - oldest > self.max_staleness else keep).append(g)
