@@ -145,6 +145,18 @@ class Episode:
 
 
 @dataclass
+class PendingBatch:
+    """A batch started on the driver's loop (:meth:`RolloutDriver.start_batch`), not written yet."""
+
+    prompts: list[Prompt]
+    first: int
+    """The driver's prompt counter at its start (its group ids follow)."""
+    task: asyncio.Task[list[list[Sample]]]
+    claimed: int | None = None
+    """Groups of the admission claim it holds (None: the whole claim is released when it is written)."""
+
+
+@dataclass
 class BatchResult:
     """One batch of prompts through the driver."""
 
@@ -192,12 +204,13 @@ class RolloutDriver:
         ctxs = [EpisodeContext(self.engine, self.sampling, f"{self.writer_id}:{self.counter + i}",
                                resume_aborted=self.resume_aborted, stopping=self.stopping)
                 for i in range(len(prompts))]
-        self._contexts = ctxs
+        self._contexts += ctxs
         self.counter += len(prompts)
         try:
             return list(await asyncio.gather(*(self.episode.run_group(c, p) for c, p in zip(ctxs, prompts))))
         finally:
-            self._contexts = []
+            mine = {id(c) for c in ctxs}
+            self._contexts = [c for c in self._contexts if id(c) not in mine]
 
     def stop(self) -> None:
         """The role is stopping: episodes in flight continue no aborted sample."""
@@ -217,6 +230,24 @@ class RolloutDriver:
         first = self.counter
         with timer.phase("generate"):
             generated = self.call(self.rollout(prompts))
+        return self._write(prompts, generated, first, timer)
+
+    def start_batch(self, prompts: Sequence[Prompt], *, claimed: int | None = None) -> PendingBatch:
+        """Start ``prompts`` on the driver's loop without waiting: their requests reach the engine when the loop
+        next runs (any :meth:`call`), so they queue behind the batch in flight and take its slots as its rows end.
+        ``claimed``: the groups of the admission claim the batch holds (released when it is written)."""
+        first = self.counter
+        return PendingBatch(list(prompts), first, self._loop.create_task(self.rollout(prompts)), claimed)
+
+    def finish_batch(self, batch: PendingBatch, timer: PhaseTimer | None = None) -> BatchResult:
+        """Wait for a started batch, then score, build and write its groups (:meth:`run_batch`'s later phases)."""
+        timer = timer or PhaseTimer()
+        with timer.phase("generate"):
+            generated = self.call(batch.task)
+        return self._write(batch.prompts, generated, batch.first, timer, claimed=batch.claimed)
+
+    def _write(self, prompts: Sequence[Prompt], generated: list[list[Sample]], first: int, timer: PhaseTimer, *,
+               claimed: int | None = None) -> BatchResult:
         with timer.phase("reward"):
             scored = self.score(prompts, generated)
         groups, counts = build_groups(prompts, generated, scored, writer_id=self.writer_id, counter=first,
@@ -227,8 +258,8 @@ class RolloutDriver:
         with timer.phase("store_write"):
             if groups and self.writer is not None:
                 self.writer.write(groups)
-            if self.admission is not None:
-                self.admission.release()  # after the shard is published: its groups now count in the backlog
+            if self.admission is not None:  # after the shard is published: its groups now count in the backlog
+                self.admission.release(claimed)
         return BatchResult(groups, generated, counts, scored.num_errors, sum(len(g) for g in generated))
 
     def score(self, prompts: Sequence[Prompt], generated: list[list[Sample]]) -> RewardResult:
