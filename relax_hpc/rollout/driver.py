@@ -201,11 +201,18 @@ class RolloutDriver:
     # ------------------------------------------------------------------------------------------ async parts
     async def rollout(self, prompts: Sequence[Prompt]) -> list[list[Sample]]:
         """Every prompt's group of samples, all prompts concurrently (the engine batches them)."""
+        return await self._rollout(prompts, self._take_contexts(prompts))
+
+    def _take_contexts(self, prompts: Sequence[Prompt]) -> list[EpisodeContext]:
+        """The prompts' episode contexts, with the next request ids (the group ids follow the same counter)."""
         ctxs = [EpisodeContext(self.engine, self.sampling, f"{self.writer_id}:{self.counter + i}",
                                resume_aborted=self.resume_aborted, stopping=self.stopping)
                 for i in range(len(prompts))]
-        self._contexts += ctxs
         self.counter += len(prompts)
+        return ctxs
+
+    async def _rollout(self, prompts: Sequence[Prompt], ctxs: list[EpisodeContext]) -> list[list[Sample]]:
+        self._contexts += ctxs
         try:
             return list(await asyncio.gather(*(self.episode.run_group(c, p) for c, p in zip(ctxs, prompts))))
         finally:
@@ -236,8 +243,9 @@ class RolloutDriver:
         """Start ``prompts`` on the driver's loop without waiting: their requests reach the engine when the loop
         next runs (any :meth:`call`), so they queue behind the batch in flight and take its slots as its rows end.
         ``claimed``: the groups of the admission claim the batch holds (released when it is written)."""
-        first = self.counter
-        return PendingBatch(list(prompts), first, self._loop.create_task(self.rollout(prompts)), claimed)
+        first = self.counter  # taken now: a batch started after this one numbers its groups after it
+        task = self._loop.create_task(self._rollout(prompts, self._take_contexts(prompts)))
+        return PendingBatch(list(prompts), first, task, claimed)
 
     def finish_batch(self, batch: PendingBatch, timer: PhaseTimer | None = None) -> BatchResult:
         """Wait for a started batch, then score, build and write its groups (:meth:`run_batch`'s later phases)."""
