@@ -154,6 +154,7 @@ class RolloutWorker:
         if not self.should_stop() and self._room_for_more():
             self.inflight = self._start(timer)
         res = self.driver.finish_batch(batch, timer)
+        res.counts["rollout/next_batch_started"] = float(self.inflight is not None)  # during this batch's tail
         self._log(res, timer, path)
 
     def _start(self, timer: PhaseTimer) -> PendingBatch:
