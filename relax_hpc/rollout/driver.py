@@ -226,8 +226,9 @@ class RolloutDriver:
             c.stopping = True
 
     # ------------------------------------------------------------------------------------------ sync parts
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run one coroutine (``engine.receive(...)``, ``driver.rollout(...)``) on the driver's loop."""
+    def call(self, coro: Coroutine[Any, Any, T] | asyncio.Future[T]) -> T:
+        """Run one coroutine (``engine.receive(...)``, ``driver.rollout(...)``) or task (a started batch's) on the
+        driver's loop."""
         return self._loop.run_until_complete(coro)
 
     def run_batch(self, prompts: Sequence[Prompt], timer: PhaseTimer | None = None) -> BatchResult:
