@@ -9,7 +9,10 @@ when the transport has such a path, the snapshot files the truth).
 Admission control (:mod:`relax_hpc.rollout.admission`): a batch generated now with weights ``v`` is consumed after
 the backlog and the batches other workers are generating, so its staleness is about ``1 + ahead / prompts_per_step``
 versions. A worker claims room for a batch only while ``ahead + batch <= max(max_staleness, 1) * prompts_per_step``;
-otherwise it pauses (counted in ``perf/rollout_pause_time``). Weights are picked up between generation batches.
+otherwise it pauses (counted in ``perf/rollout_pause_time``). Weights are picked up between generation batches. When
+there is room for a further batch on top of the one in flight, the worker starts it before it waits for the one in
+flight: its requests queue behind the tail and take the engine's slots as the tail's rows end (at most two batches in
+flight; each written as its own shard, in order, releasing its part of the claim).
 A worker stops when the run's STATUS.json appears, when asked to drain (control file), or on SIGTERM/SIGUSR2
 (it is stateless: a restarted worker rejoins at the latest version with a new writer id).
 
