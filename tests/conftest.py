@@ -29,15 +29,55 @@ TIER_MARKS = {"integration": "integration", "slurm": "slurm", "netfs": "netfs", 
 SERIAL_TIERS = {"slurm", "netfs"}
 
 
+COSTS = Path(__file__).with_name("group_costs.json")
+"""CPU seconds of each xdist group in a measured run of the suite (``python tools/test_times.py FILE --write``)."""
+TIER_COST = {"integration": 60.0, "gpu": 1.0, "unit": 5.0}
+"""The cost of a group not in COSTS, by tier. The cluster group (serial, the longest) always goes first."""
+
+
+def _group(path: Path) -> str:
+    tier = path.parent.name
+    return "cluster" if tier in SERIAL_TIERS else f"{tier}/{path.stem}"
+
+
+def _costs() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(COSTS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = Path(str(item.fspath))
-        tier = path.parent.name
-        mark = TIER_MARKS.get(tier)
+        mark = TIER_MARKS.get(path.parent.name)
         if mark is not None and mark not in item.keywords:
             item.add_marker(getattr(pytest.mark, mark))
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group("cluster" if tier in SERIAL_TIERS else f"{tier}/{path.stem}"))
+            item.add_marker(pytest.mark.xdist_group(_group(path)))
+    _longest_first(items)
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """Order the groups by cost, the costliest first (tools/test.sh runs xdist with ``--no-loadscope-reorder``, so
+    groups are handed out in this order): the long groups start at once instead of trailing the run, and the many
+    short ones fill the workers at the end. The 4th group is the cheapest: xdist queues it behind the first."""
+    costs = _costs()
+
+    def cost(item: pytest.Item) -> float:
+        path = Path(str(item.fspath))
+        if path.parent.name in SERIAL_TIERS:
+            return float("inf")
+        return costs.get(_group(path), TIER_COST.get(path.parent.name, 1.0))
+
+    order: dict[str, float] = {}
+    for item in items:
+        order.setdefault(_group(Path(str(item.fspath))), cost(item))
+    ranked = sorted(order, key=lambda g: -order[g])
+    if len(ranked) > 4:
+        ranked.insert(3, ranked.pop())
+    rank = {g: i for i, g in enumerate(ranked)}
+    items.sort(key=lambda it: rank[_group(Path(str(it.fspath)))])
 
 
 @pytest.fixture

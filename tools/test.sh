@@ -50,5 +50,5 @@ fi
 # netfs tiers together on one. RELAX_TEST_WORKERS=0, or a -n of your own, turns that off.
 W=${RELAX_TEST_WORKERS:-3}
 XDIST=()
-case " $* " in *" -n "*|*" -n="*|*" -n"[0-9]*) ;; *) [ "$W" != 0 ] && XDIST=(-n "$W" --dist loadgroup) ;; esac
-exec python3 -m pytest -q "${XDIST[@]}" "$@"
+case " $* " in *" -n "*|*" -n="*|*" -n"[0-9]*) ;; *) [ "$W" != 0 ] && XDIST=(-n "$W" --dist loadgroup --no-loadscope-reorder) ;; esac
+exec python3 -m pytest -q --durations=20 "${XDIST[@]}" "$@"

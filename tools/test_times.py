@@ -15,6 +15,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+COSTS = ROOT / "tests" / "group_costs.json"
+
 
 def group(test: str) -> str:
     path = test.split("::")[0]
@@ -26,6 +29,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", type=Path)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--write", action="store_true",
+                    help=f"store each group's CPU seconds in {COSTS.relative_to(ROOT)} (tests/conftest.py hands the "
+                         "costliest groups to the workers first)")
     a = ap.parse_args()
     rows = [json.loads(x) for x in a.file.read_text().splitlines() if x.strip()]
     wall, cpu, gwall, gcpu = Counter(), Counter(), Counter(), Counter()
@@ -42,6 +48,9 @@ def main() -> None:
     print(f"\nlargest {a.top} groups (wall s, CPU s)")
     for g, w in gwall.most_common(a.top):
         print(f"{w:8.0f} {gcpu[g]:8.0f}  {g}")
+    if a.write:
+        COSTS.write_text(json.dumps({g: round(c, 1) for g, c in sorted(gcpu.items())}, indent=1) + "\n")
+        print(f"wrote {COSTS}")
 
 
 if __name__ == "__main__":

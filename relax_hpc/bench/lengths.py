@@ -5,7 +5,9 @@ Random weights almost never sample EOS, so every response runs to its budget: a 
 response length, and a benchmark on random weights sees the long-tailed lengths of real RL (reasoning runs: a mean of
 a few thousand tokens, a tail many times longer). A request's length depends only on its request id (a hash seeds
 the draw), so two runs, or two decoders, see the same lengths for the same requests. All ``n`` samples of a request
-share its length.
+share its length, and so do all engine calls of a prompt's episode (the request id up to its first ``/``, as the
+rollout driver names them): a sample continued from a prefix (a partial rollout carried into the next step, an
+abort after a weight update) keeps its drawn length, the prefix counting against it.
 
 - ``uniform``: every request the benchmark's own ``max_new_tokens`` (what the benchmarks did before);
 - ``lognormal:mean=M,sigma=S,cap=C``: a log-normal whose mean (before the cap) is ``M`` tokens, ``sigma`` the
@@ -168,7 +170,7 @@ class LengthMixEngine(RolloutEngine):
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         s = request.sampling
-        budget = min(s.max_new_tokens, self.law.length(request.request_id))
+        budget = min(s.max_new_tokens, self.law.length(request.request_id.split("/", 1)[0]))
         return await self.inner.generate(replace(request, sampling=replace(s, max_new_tokens=budget)))
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> None:

@@ -95,7 +95,8 @@ def recipe(folder: Path, a: argparse.Namespace) -> dict[str, Any]:
         "rollout": {"engine": "hf", "num_workers": 1, "prompts_per_step": a.prompts, "n_samples": a.samples,
                     "batch_prompts": a.prompts, "device": a.device,
                     "hf_decoder": "compiled" if a.compiled_decode else "auto",
-                    "sampling": {"temperature": 1.0, "max_new_tokens": max_new_tokens(a)}},
+                    "sampling": {"temperature": 1.0, "max_new_tokens": max_new_tokens(a)},
+                    **({"partial": {"overprovision": a.partial}} if a.partial else {})},
         "algorithm": {"name": "grpo", "clip_low": 0.2, "clip_high": 0.28, "tis_cap": 2.0},
         "reward": {"name": "math", "kwargs": {"timeout_s": 5}},
         "trainer": {"backend": a.backend, "device": a.device, "lr": 1.0e-6, "micro_batch_tokens": a.micro_batch_tokens,
@@ -188,6 +189,23 @@ def summarize(steps: list[dict[str, float]], a: argparse.Namespace, params: int,
     out["generation_vs_hbm_bound"] = bound / med["generate"]
     out["hand_over_share_of_step"] = med["hand_over"] / out["step_s_steady"]
     out.update(length_figures(timed))
+    if a.partial:
+        out.update(partial_figures(timed))
+    return out
+
+
+def partial_figures(timed: list[dict[str, float]]) -> dict[str, Any]:
+    """With ``--partial``: means over the timed steps of the trained tokens' staleness (versions behind, token
+    weighted), the tokens trained that an earlier step generated, the samples aborted and the groups trained."""
+    out: dict[str, Any] = {}
+    for key, name in (("rollout/staleness_mean", "trained_staleness_mean"),
+                      ("rollout/carried_tokens", "carried_tokens_per_step"),
+                      ("rollout/partial_aborted_samples", "aborted_samples_per_step"),
+                      ("rollout/partial_dropped_groups", "dropped_groups_per_step"),
+                      ("train/samples", "trained_samples_per_step")):
+        values = [m[key] for m in timed if key in m]
+        if values:
+            out[name] = statistics.mean(values)
     return out
 
 
@@ -349,6 +367,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lengths", default="uniform", metavar="MIX",
                    help="response lengths, as each request's max_new_tokens (random weights run every response to "
                         "it): uniform (--new-tokens), lognormal:mean=512,sigma=1.0,cap=4096, or file:lengths.json")
+    p.add_argument("--partial", type=float, default=None, metavar="OVERPROVISION",
+                   help="rollout.partial with this overprovision (partial rollouts: each step starts that many times "
+                        "its groups and carries the unfinished ones over)")
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "flash_attention_2", "eager"],
                    help="model.attn_implementation of the run")
@@ -375,6 +396,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if min(a.steps, a.prompts, a.samples, a.new_tokens, a.micro_batch_tokens, a.checkpoint_every) < 1 \
             or a.warmup_steps < 0:
         p.error("--steps, --prompts, --samples, --new-tokens, --micro-batch-tokens must be >= 1")
+    if a.partial is not None and not 1.0 <= a.partial <= 4.0:
+        p.error("--partial: an overprovision from 1 to 4")
     return a
 
 

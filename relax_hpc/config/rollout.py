@@ -100,6 +100,19 @@ class ServerConfig(Section):
     engine was checked against (sglang ``>=0.5.10,<=0.5.23``, vllm ``>=0.32,<0.33``); ``""`` = any."""
 
 
+class PartialConfig(Section):
+    """Partial rollouts (``mode: colocate``): each step starts more prompts than it trains, stops generating once
+    enough whole groups have finished, and carries the unfinished ones into the next step (docs/partial-rollouts.md)."""
+
+    overprovision: float = Field(1.25, ge=1.0, le=4.0)
+    """Groups in generation per step (carried + fresh) = ``ceil(prompts_per_step x overprovision)``; the step stops
+    generating once ``prompts_per_step`` groups are whole (every sample finished)."""
+    carry_over: bool = True
+    """Unfinished groups continue next step from their tokens so far (each token keeps its version), while their
+    oldest token is at most ``max_staleness`` versions behind the trained one; ``false``: they are dropped
+    (counted) and the step's extra prompts only shorten its tail."""
+
+
 class RolloutBase(Section):
     """Generation: how many prompts and samples, with what engine. The keys below hold for every engine; each
     engine's own keys follow in its variant (``rollout.engine`` selects it)."""
@@ -122,6 +135,9 @@ class RolloutBase(Section):
     server; ``auto``: the GPU where there is one, else the CPU)."""
     env: EnvConfig | None = None
     """A multi-turn environment: every sample becomes an episode (None = single-turn prompts)."""
+    partial: PartialConfig | None = None
+    """Partial rollouts in ``mode: colocate`` (None: every step generates exactly ``prompts_per_step`` groups to the
+    end)."""
 
 
 class HFRolloutConfig(RolloutBase):

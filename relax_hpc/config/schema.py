@@ -145,7 +145,8 @@ class RecipeConfig(Section):
     num_steps: int = Field(100, ge=1)
     """Trainer steps (one optimizer update each)."""
     max_staleness: int = Field(1, ge=0)
-    """fully_async: how many policy versions a sample may lag the trainer. 0 = on-policy by version."""
+    """fully_async: how many policy versions a sample may lag the trainer. 0 = on-policy by version. colocate with
+    ``rollout.partial``: how many versions a carried token may lag when trained."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Policy model."""
     data: DataConfig
@@ -179,6 +180,22 @@ class RecipeConfig(Section):
         if self.model.lora is not None and self.rollout.engine != "hf":
             raise ValueError(f"model.lora: rollout.engine {self.rollout.engine} does not load LoRA adapters yet; use "
                              "rollout.engine: hf, or drop model.lora")
+        return self
+
+    @model_validator(mode="after")
+    def _partial_rollouts(self) -> RecipeConfig:
+        partial = self.rollout.partial
+        if partial is None:
+            return self
+        if self.mode != "colocate":
+            raise ValueError("rollout.partial: only mode colocate (fully_async workers already overlap steps); drop "
+                             "rollout.partial")
+        if self.rollout.env is not None:
+            raise ValueError("rollout.partial: multi-turn episodes (rollout.env) are not carried between steps; drop "
+                             "one of them")
+        if partial.carry_over and self.max_staleness < 1:
+            raise ValueError("rollout.partial.carry_over: a carried token is at least one version old when trained; "
+                             "set max_staleness >= 1 or carry_over: false")
         return self
 
     @model_validator(mode="after")

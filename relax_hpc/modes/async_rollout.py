@@ -9,7 +9,10 @@ when the transport has such a path, the snapshot files the truth).
 Admission control (:mod:`relax_hpc.rollout.admission`): a batch generated now with weights ``v`` is consumed after
 the backlog and the batches other workers are generating, so its staleness is about ``1 + ahead / prompts_per_step``
 versions. A worker claims room for a batch only while ``ahead + batch <= max(max_staleness, 1) * prompts_per_step``;
-otherwise it pauses (counted in ``perf/rollout_pause_time``). Weights are picked up between generation batches.
+otherwise it pauses (counted in ``perf/rollout_pause_time``). Weights are picked up between generation batches. When
+there is room for a further batch on top of the one in flight, the worker starts it before it waits for the one in
+flight: its requests queue behind the tail and take the engine's slots as the tail's rows end (at most two batches in
+flight; each written as its own shard, in order, releasing its part of the claim).
 A worker stops when the run's STATUS.json appears, when asked to drain (control file), or on SIGTERM/SIGUSR2
 (it is stateless: a restarted worker rejoins at the latest version with a new writer id).
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.eval.hook import EvalHook
@@ -32,6 +35,9 @@ from relax_hpc.health import RunHealth
 from relax_hpc.lifecycle import EXIT_OK, EXIT_REQUEUE, StopFlag
 from relax_hpc.rundir import RunDir, proc_name
 from relax_hpc.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from relax_hpc.rollout.driver import PendingBatch
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +111,8 @@ class RolloutWorker:
         self.sync = make_receiver(cfg, self.engine, run_dir=run_dir, rank=rank, proc=proc, events=self.events)
         self.watch = files_watch(run_dir.consumer_planned("trainer"), run_dir.weights_latest, run_dir.claims)
         self.pause_total = 0.0
+        self.inflight: PendingBatch | None = None
+        """A batch started and not written yet (started while the one before it decoded its tail)."""
         self.carried = PhaseTimer()  # pause and weight loads of cycles that ended in a reload, not yet logged
         self.evals = EvalHook.for_rollout_worker(self)  # held-out evaluation of due snapshots (worker eval.worker)
 
@@ -126,25 +134,45 @@ class RolloutWorker:
         self.hb.beat(state="running", force=True)
 
     def cycle(self) -> None:
-        """Weights if newer, room for a batch, the batch, its metrics."""
+        """Weights if newer, room for a batch (unless one is in flight), the batch; the next batch too if there is
+        room for it now (its requests queue behind the batch's tail and take the engine's slots as its rows end);
+        the batch written, its metrics."""
         timer = PhaseTimer()
         path = self._update_weights(timer)
-        outcome = self._wait_for_room(timer)
-        if outcome == "stop":
-            return
-        if outcome == "weights":  # new weights while paused: reload before generating
-            for k, v in timer.seconds.items():
-                self.carried.add(k, v)
-            return
+        if self.inflight is None:
+            outcome = self._wait_for_room(timer)
+            if outcome == "stop":
+                return
+            if outcome == "weights":  # new weights while paused: reload before generating
+                for k, v in timer.seconds.items():
+                    self.carried.add(k, v)
+                return
+            for k, v in self.carried.seconds.items():
+                timer.add(k, v)
+            self.carried.reset()
         path = self._fast_pull(timer) or path
-        for k, v in self.carried.seconds.items():
-            timer.add(k, v)
-        self.carried.reset()
+        if self.inflight is None:
+            self.inflight = self._start(timer)
+        batch, self.inflight = self.inflight, None
+        if not self.should_stop() and self._room_for_more():
+            self.inflight = self._start(timer)
+        res = self.driver.finish_batch(batch, timer)
+        res.counts["rollout/next_batch_started"] = float(self.inflight is not None)  # during this batch's tail
+        self._log(res, timer, path)
+
+    def _start(self, timer: PhaseTimer) -> PendingBatch:
+        """The next batch, started (its claim is held)."""
         self.evals.on_weights(self.engine.version)
         with timer.phase("preprocess"):  # inline: the media are made now; with the pool: the wait for them
-            batch = self.stream.next_batch(self.cfg.rollout.batch_prompts)
-        res = self.driver.run_batch(batch, timer)
-        self._log(res, timer, path)
+            prompts = self.stream.next_batch(self.cfg.rollout.batch_prompts)
+        return self.driver.start_batch(prompts, claimed=self.cfg.rollout.batch_prompts)
+
+    def _room_for_more(self) -> bool:
+        """Room now for a batch on top of the one in flight (admission control counts both)."""
+        from relax_hpc.store import backlog
+
+        return self.admission.try_claim(self.cfg.rollout.batch_prompts, lambda: backlog(self.run_dir).groups,
+                                        more=True)
 
     def _update_weights(self, timer: PhaseTimer) -> str:
         newest = self.sync.newest()
@@ -219,9 +247,24 @@ class RolloutWorker:
         self.health.check({"reward/errors": float(res.reward_errors), "reward/samples": float(res.samples)}, v)
         self.hb.beat(step=self.driver.counter, version=v)
 
+    def _end_inflight(self, batch: PendingBatch) -> None:
+        """The batch started on top of the last one, at a stop: written whole (a drain, a signal: as a batch in
+        progress always was), or, once the run is finished, aborted and not written."""
+        try:
+            if self.finished():
+                self.driver.call(self.engine.abort(None))
+                self.driver.call(batch.task)  # its samples end aborted; nothing is written
+            else:
+                self.driver.finish_batch(batch)
+        except Exception:  # the engine may be what stopped the worker
+            log.exception("rollout worker %d: the batch in flight at the stop was not written", self.rank)
+
     def close(self) -> None:
-        self.admission.release()
         self.driver.stop()
+        if self.inflight is not None:
+            self._end_inflight(self.inflight)
+            self.inflight = None
+        self.admission.release()
         self.evals.at_end(self.sync)
         self.sync.close()
         self.driver.close()

@@ -18,12 +18,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.errors import UserError
 from relax_hpc.eval.hook import EvalHook
 from relax_hpc.rundir import RunDir
 from relax_hpc.timing import PhaseTimer
 
 if TYPE_CHECKING:
     from relax_hpc.rollout.engine import RolloutEngine
+    from relax_hpc.rollout.partial import PartialRollouts
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class Colocate:
                                     sampling=sampling_params(cfg.rollout.sampling, cfg.rollout.n_samples),
                                     writer_id=writer_id, writer=ShardWriter(run_dir, writer_id),
                                     episode=C.build_episode(cfg, tok))
+        self.partial = self._partial_rollouts(r.state)
         # the engine generates with the weights in memory; the snapshot files are for the monitor and recovery
         self.sender = make_sender(cfg, self.session, run_dir=run_dir, rank=rank, device=str(r.policy.device),
                                   engine=self.engine, call=self.driver.call, events=r.events)
@@ -94,6 +97,49 @@ class Colocate:
         C.settle_gc()  # torch/transformers out of the collector; fewer young collections per step
         r.hb.beat(state="running", step=self.trainer.step, version=self.session.version, force=True)
 
+    def _partial_rollouts(self, state: dict[str, Any] | None) -> PartialRollouts | None:
+        """``rollout.partial``'s carry buffer (restored from the checkpoint: its prompts start afresh), or None. A
+        checkpoint's carried prompts resumed without ``rollout.partial`` go first into the next batch."""
+        from relax_hpc.data.stream import PromptStream
+        from relax_hpc.rollout.partial import CarryBuffer, PartialRollouts
+
+        cfg = self.cfg
+        self._restart: list[Any] = []
+        carried = (state or {}).get("partial")
+        dataset = self.stream.dataset if isinstance(self.stream, PromptStream) else self.stream.stream.dataset
+        if cfg.rollout.partial is None:
+            buffer = CarryBuffer(max_staleness=cfg.max_staleness)
+            if carried is not None:
+                buffer.load_state(carried, dataset.prompt)
+            self._restart = buffer.restart
+            return None
+        if self.world_size > 1:
+            raise UserError("rollout.partial: one colocate rank only for now (each rank would carry its own "
+                            "groups); drop rollout.partial or run one rank")
+        partial = PartialRollouts(cfg.rollout.partial, prompts_per_step=cfg.rollout.prompts_per_step,
+                                  max_staleness=cfg.max_staleness, driver=self.driver)
+        if carried is not None:
+            partial.load_state(carried, dataset.prompt)
+        return partial
+
+    def _next_batch(self, n: int) -> list[Any]:
+        """The next ``n`` prompts: a checkpoint's carried prompts first (resumed without ``rollout.partial``)."""
+        head, self._restart = self._restart[:n], self._restart[n:]
+        return head + self.stream.next_batch(n - len(head))
+
+    def _generate(self, timer: PhaseTimer) -> Any:
+        """This rank's groups of the step, generated and written (with ``rollout.partial``: the whole ones)."""
+        cfg = self.cfg
+        if self.partial is not None:
+            def take(n: int) -> list[Any]:
+                with timer.phase("preprocess"):
+                    return self.stream.next_batch(n)
+
+            return self.partial.step(take, timer)
+        with timer.phase("preprocess"):  # inline: the media are made now; with the pool: the wait for them
+            batch = self._next_batch(cfg.rollout.prompts_per_step)
+        return self.driver.run_batch(batch[self.rank::self.world_size], timer)
+
     def _on_engine_thread(self, fn: Any) -> Any:
         """``fn()`` on the in-process engine's thread where it has one (see ``HFEngine.run_on_thread``), else here."""
         return self.driver.call(self.engine.run_on_thread(fn)) if self.engine.threaded else fn()
@@ -103,9 +149,7 @@ class Colocate:
         from relax_hpc.trainer.prepare import prepare_items
 
         cfg, timer = self.cfg, PhaseTimer()
-        with timer.phase("preprocess"):  # inline: the media are made now; with the pool: the wait for them
-            batch = self.stream.next_batch(cfg.rollout.prompts_per_step)
-        res = self.driver.run_batch(batch[self.rank::self.world_size], timer)
+        res = self._generate(timer)
         _barrier(self.world_size)
         with timer.phase("read"):
             items, counts = self._read_batch()
@@ -128,8 +172,10 @@ class Colocate:
         from relax_hpc.trainer.items import samples_to_items
 
         self.plan_seq += 1
+        lag = self.cfg.max_staleness if self.partial is not None else 0  # carried groups' oldest tokens
         if self.rank == 0:
-            plan = self.consumer.plan_available(self.plan_seq, 10**9, min_version=self.session.version)
+            plan = self.consumer.plan_available(self.plan_seq, 10**9,
+                                                min_version=max(0, self.session.version - lag))
         else:
             plan = self.consumer.wait_plan(self.plan_seq, timeout_s=self.cfg.store.wait_timeout_s)
         items = samples_to_items(self.consumer.read(plan))
@@ -144,7 +190,7 @@ class Colocate:
         cfg, step, stop = self.cfg, self.trainer.step, self.role.stop
         if step % cfg.trainer.checkpoint_every == 0 or step == cfg.num_steps or stop.is_set:
             pos = self.consumer.position_after(self.plan_seq)
-            self.session.checkpoint({"data": self.stream.state(), "store_position": pos},
+            self.session.checkpoint({**self._data_state(), "store_position": pos},
                                     on_saved=functools.partial(self.consumer.commit, pos),
                                     background=cfg.trainer.async_checkpoint and not stop.is_set)
         else:
@@ -154,10 +200,11 @@ class Colocate:
         step_time = timer.elapsed()
         ws = self.world_size
         metrics.update(timer.metrics(PHASE_METRICS))
+        metrics.setdefault("rollout/staleness_mean", 0.0)  # strictly on-policy, unless partial rollouts carried
         metrics.update({
             "perf/step_time": step_time, "perf/samples_per_s": max(1, num_items) * ws / step_time,
             "perf/tokens_per_s": metrics.get("train/tokens", 0.0) * ws / step_time,
-            "weights/version": float(self.session.version), "rollout/staleness_mean": 0.0,
+            "weights/version": float(self.session.version),
             "reward/errors": float(res.reward_errors),
         })
         self.session.log_metrics(metrics, self.trainer.step)
@@ -174,7 +221,20 @@ class Colocate:
         from relax_hpc.modes.trainer_role import end_trainer_role
 
         self.sender.close()
-        return end_trainer_role(self.role, lambda: {"data": self.stream.state()})
+        return end_trainer_role(self.role, self._data_state)
+
+    def _data_state(self) -> dict[str, Any]:
+        """The data position, and the prompts taken but not trained yet (the carry buffer's), for a checkpoint."""
+        out: dict[str, Any] = {"data": self.stream.state()}
+        if self.partial is not None:
+            out["partial"] = self.partial.state()
+        elif self._restart:
+            from relax_hpc.rollout.partial import CarryBuffer
+
+            buffer = CarryBuffer(max_staleness=self.cfg.max_staleness)
+            buffer.restart = list(self._restart)
+            out["partial"] = buffer.state()
+        return out
 
 
 def _barrier(world_size: int) -> None:

@@ -49,8 +49,14 @@ METRICS: dict[str, str] = {
     "response_p99": "rollout/response_length_p99",
     "response_max": "rollout/response_length_max",
     "mismatch_kl": "train/mismatch_kl",
+    "carried_tokens": "rollout/carried_tokens",
+    "carried_age": "rollout/carried_age_mean",
+    "carried_groups": "rollout/partial_carried_groups",
+    "partial_aborted": "rollout/partial_aborted_samples",
+    "partial_dropped": "rollout/partial_dropped_groups",
 }
-"""Snapshot key -> trainer metric name (``agent/*``: multi-turn episodes, relax_hpc/envs/metrics.py)."""
+"""Snapshot key -> trainer metric name (``agent/*``: multi-turn episodes, relax_hpc/envs/metrics.py; ``carried_*``,
+``partial_*``: partial rollouts in colocate, relax_hpc/rollout/partial.py)."""
 DECODE_METRICS: dict[str, str] = {
     "decode_occupancy": "perf/decode_occupancy",
     "decode_low_occupancy_time": "perf/decode_low_occupancy_time",

@@ -36,6 +36,12 @@ the newest held-out evaluation (accuracy and the weight version it evaluated).""
 AGENT_ROW = (("turns/ep", "turns"), ("calls/turn", "tool_calls"), ("tool errs", "tool_errors"),
              ("tool lat", "tool_latency"), ("truncated", "truncations"))
 """Multi-turn episodes (shown when the run reports them)."""
+PARTIAL_ROW = (("carried tok", "carried_tokens"), ("carried age", "carried_age"), ("carried grp", "carried_groups"),
+               ("aborted", "partial_aborted"), ("dropped", "partial_dropped"))
+"""Partial rollouts in colocate (shown when the run reports them): tokens trained that an earlier step generated,
+their mean age in versions, groups carried into the next step, samples aborted, carried groups dropped as too old."""
+OPTIONAL_ROWS = (AGENT_ROW, PARTIAL_ROW)
+"""Rows shown only when the run reports one of their metrics."""
 
 
 def fmt_num(v: Any) -> str:
@@ -97,9 +103,9 @@ def _header(snap: dict[str, Any]) -> RenderableType:
         eta.append(f"   last progress {fmt_duration(snap['time'] - since)} ago", style="dim")
     top = Table.grid(padding=0)
     top.add_row(line, bar, eta)
-    agent = any(snap.get(key) is not None for _, key in AGENT_ROW)
+    shown = [row for row in OPTIONAL_ROWS if any(snap.get(key) is not None for _, key in row)]
     lines: list[RenderableType] = []
-    for group in (*METRIC_ROWS, AGENT_ROW) if agent else METRIC_ROWS:
+    for group in (*METRIC_ROWS, *shown):
         cells: list[RenderableType] = []
         for label, key in group:  # "label value" cells that flow onto more lines when narrow, never cut
             v = snap.get(key)

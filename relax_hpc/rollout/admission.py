@@ -52,27 +52,35 @@ class Admission:
                     total += int(claim.get("groups", 0))
         return total
 
-    def try_claim(self, groups: int, backlog_groups: Callable[[], int]) -> bool:
+    def try_claim(self, groups: int, backlog_groups: Callable[[], int], *, more: bool = False) -> bool:
         """Claim room for a batch of ``groups`` groups if there is room now; True if claimed (or already held).
+        ``more``: a further batch on top of the groups this worker holds (submitted while its batch in flight
+        decodes its tail), claimed only while ``others + backlog + held + groups <= limit``.
 
         ``backlog_groups`` lists the store; it is called under the lock *after* the claims are read. A worker
         publishes its shard and then drops its claim, so in this order a batch is counted at least once; listing
         the store first could miss a shard published just after and then also miss its claim, dropped by then.
         """
-        if self.held:
+        if self.held and not more:
             return True
         with optional_lock(self.run_dir.claims / ".lock", timeout_s=5.0):
             ahead = self.claimed_by_others()
             ahead += backlog_groups()
-            if ahead + groups > max(self.limit, groups):
+            if ahead + self.held + groups > (self.limit if self.held else max(self.limit, groups)):
                 return False
-            atomic_write_json(self.path, {"groups": groups, "time": time.time(), "pid": os.getpid()}, fsync=False,
-                              indent=None)
-        self.held = groups
+            self._write(self.held + groups)
+        self.held += groups
         return True
 
-    def release(self) -> None:
-        """The batch is published (or abandoned): drop the claim."""
-        self.held = 0
+    def _write(self, groups: int) -> None:
+        atomic_write_json(self.path, {"groups": groups, "time": time.time(), "pid": os.getpid()}, fsync=False,
+                          indent=None)
+
+    def release(self, groups: int | None = None) -> None:
+        """A batch is published (or abandoned): drop the claim, or only ``groups`` of it (one of several batches)."""
+        self.held = 0 if groups is None else max(0, self.held - groups)
+        if self.held:
+            self._write(self.held)
+            return
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()

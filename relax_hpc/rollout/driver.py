@@ -145,6 +145,18 @@ class Episode:
 
 
 @dataclass
+class PendingBatch:
+    """A batch started on the driver's loop (:meth:`RolloutDriver.start_batch`), not written yet."""
+
+    prompts: list[Prompt]
+    first: int
+    """The driver's prompt counter at its start (its group ids follow)."""
+    task: asyncio.Task[list[list[Sample]]]
+    claimed: int | None = None
+    """Groups of the admission claim it holds (None: the whole claim is released when it is written)."""
+
+
+@dataclass
 class BatchResult:
     """One batch of prompts through the driver."""
 
@@ -189,15 +201,23 @@ class RolloutDriver:
     # ------------------------------------------------------------------------------------------ async parts
     async def rollout(self, prompts: Sequence[Prompt]) -> list[list[Sample]]:
         """Every prompt's group of samples, all prompts concurrently (the engine batches them)."""
+        return await self._rollout(prompts, self._take_contexts(prompts))
+
+    def _take_contexts(self, prompts: Sequence[Prompt]) -> list[EpisodeContext]:
+        """The prompts' episode contexts, with the next request ids (the group ids follow the same counter)."""
         ctxs = [EpisodeContext(self.engine, self.sampling, f"{self.writer_id}:{self.counter + i}",
                                resume_aborted=self.resume_aborted, stopping=self.stopping)
                 for i in range(len(prompts))]
-        self._contexts = ctxs
         self.counter += len(prompts)
+        return ctxs
+
+    async def _rollout(self, prompts: Sequence[Prompt], ctxs: list[EpisodeContext]) -> list[list[Sample]]:
+        self._contexts += ctxs
         try:
             return list(await asyncio.gather(*(self.episode.run_group(c, p) for c, p in zip(ctxs, prompts))))
         finally:
-            self._contexts = []
+            mine = {id(c) for c in ctxs}
+            self._contexts = [c for c in self._contexts if id(c) not in mine]
 
     def stop(self) -> None:
         """The role is stopping: episodes in flight continue no aborted sample."""
@@ -206,8 +226,9 @@ class RolloutDriver:
             c.stopping = True
 
     # ------------------------------------------------------------------------------------------ sync parts
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run one coroutine (``engine.receive(...)``, ``driver.rollout(...)``) on the driver's loop."""
+    def call(self, coro: Coroutine[Any, Any, T] | asyncio.Future[T]) -> T:
+        """Run one coroutine (``engine.receive(...)``, ``driver.rollout(...)``) or task (a started batch's) on the
+        driver's loop."""
         return self._loop.run_until_complete(coro)
 
     def run_batch(self, prompts: Sequence[Prompt], timer: PhaseTimer | None = None) -> BatchResult:
@@ -217,6 +238,25 @@ class RolloutDriver:
         first = self.counter
         with timer.phase("generate"):
             generated = self.call(self.rollout(prompts))
+        return self._write(prompts, generated, first, timer)
+
+    def start_batch(self, prompts: Sequence[Prompt], *, claimed: int | None = None) -> PendingBatch:
+        """Start ``prompts`` on the driver's loop without waiting: their requests reach the engine when the loop
+        next runs (any :meth:`call`), so they queue behind the batch in flight and take its slots as its rows end.
+        ``claimed``: the groups of the admission claim the batch holds (released when it is written)."""
+        first = self.counter  # taken now: a batch started after this one numbers its groups after it
+        task = self._loop.create_task(self._rollout(prompts, self._take_contexts(prompts)))
+        return PendingBatch(list(prompts), first, task, claimed)
+
+    def finish_batch(self, batch: PendingBatch, timer: PhaseTimer | None = None) -> BatchResult:
+        """Wait for a started batch, then score, build and write its groups (:meth:`run_batch`'s later phases)."""
+        timer = timer or PhaseTimer()
+        with timer.phase("generate"):
+            generated = self.call(batch.task)
+        return self._write(batch.prompts, generated, batch.first, timer, claimed=batch.claimed)
+
+    def _write(self, prompts: Sequence[Prompt], generated: list[list[Sample]], first: int, timer: PhaseTimer, *,
+               claimed: int | None = None) -> BatchResult:
         with timer.phase("reward"):
             scored = self.score(prompts, generated)
         groups, counts = build_groups(prompts, generated, scored, writer_id=self.writer_id, counter=first,
@@ -227,8 +267,8 @@ class RolloutDriver:
         with timer.phase("store_write"):
             if groups and self.writer is not None:
                 self.writer.write(groups)
-            if self.admission is not None:
-                self.admission.release()  # after the shard is published: its groups now count in the backlog
+            if self.admission is not None:  # after the shard is published: its groups now count in the backlog
+                self.admission.release(claimed)
         return BatchResult(groups, generated, counts, scored.num_errors, sum(len(g) for g in generated))
 
     def score(self, prompts: Sequence[Prompt], generated: list[list[Sample]]) -> RewardResult:
@@ -279,9 +319,11 @@ def version_spans(samples: Sequence[Sample], default: int) -> tuple[list[int], l
 
 
 def build_groups(prompts: Sequence[Prompt], generated: list[list[Sample]], result: RewardResult, *, writer_id: str,
-                 counter: int, default_version: int) -> tuple[list[SampleGroup], dict[str, float]]:
-    """The store groups of scored samples: each sample gets its reward (and named parts), versions, group id, prompt
-    (a sample without its own), the prompt's tensors and metadata, in place. A group with a sample whose reward
+                 counter: int, default_version: int,
+                 group_ids: Sequence[str] | None = None) -> tuple[list[SampleGroup], dict[str, float]]:
+    """The store groups of scored samples: each sample gets its reward (and named parts), versions, group id
+    (``<writer_id>:<counter + i>``, or ``group_ids[i]``), prompt (a sample without its own), the prompt's tensors and
+    metadata, in place. A group with a sample whose reward
     failed under ``on_error=drop`` is dropped whole (counted). A sample's ``version`` is its oldest generated
     token's. A group without samples (every episode of a multi-turn group failed before finishing one) is left out
     (counted). Returns (groups, counts)."""
@@ -301,7 +343,7 @@ def build_groups(prompts: Sequence[Prompt], generated: list[list[Sample]], resul
         if not group:
             empty += 1
             continue
-        group_id = f"{writer_id}:{counter + i}"
+        group_id = f"{writer_id}:{counter + i}" if group_ids is None else group_ids[i]
         prompt_ids = None
         prompt_meta = {"prompt": prompt.meta} if prompt.meta else {}
         for j, s in zip(idx, group):

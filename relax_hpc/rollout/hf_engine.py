@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -899,11 +900,18 @@ def from_config(cfg: Any, *, device: str | None, seed: int, tokenizer: Any, mode
     dev = device or str(next(model.parameters()).device)
     r = cfg.rollout
     # an engine of its own (fully_async workers, eval, GenRM) keeps a pool of batch_prompts x n_samples decode
-    # slots full as requests arrive; the trainer's engine (colocate) decodes each step's batch at once, on a copy of
-    # its own too: the same samples whichever backend trains (the pool draws its samples in another order)
-    slots = 0 if shared or colocated else r.batch_prompts * r.n_samples
+    # slots full as requests arrive; the trainer's engine (colocate, shared or a copy of its own) decodes each step's
+    # batch at once (the same samples whichever backend trains: the pool draws its samples in another order), or,
+    # with partial rollouts, in a pool of a step's rows on a thread of its own (a group's requests return as they
+    # end, so the step can stop once enough groups are whole)
+    step_engine = shared or colocated
+    partial = step_engine and r.partial is not None
+    slots = 0 if step_engine and not partial else r.batch_prompts * r.n_samples
+    if partial:
+        slots = math.ceil(r.prompts_per_step * r.partial.overprovision) * r.n_samples
     return HFEngine(model, tokenizer, r.sampling, device=dev, batch_prompts=r.batch_prompts, seed=seed,
-                    decoder=r.hf_decoder if r.engine == "hf" else "auto", shared=shared, threaded=not shared,
+                    decoder=r.hf_decoder if r.engine == "hf" else "auto", shared=shared,
+                    threaded=not shared or partial,
                     slots=slots, slot_length=cfg.data.max_prompt_tokens + r.sampling.max_new_tokens,
                     lora=cfg.model.lora)
 

@@ -57,3 +57,18 @@ def test_a_shard_published_while_the_store_is_listed_is_counted(tmp_path: Path) 
         return seen
     assert not b.try_claim(16, backlog_groups=listing_then_publish)
     assert not b.held and not rd.claim_file("rollout-1").exists()
+
+
+def test_a_worker_claims_a_further_batch_on_top_of_its_own_and_releases_them_one_by_one(tmp_path: Path) -> None:
+    rd = RunDir.create(tmp_path / "run")
+    a = Admission(rd, "rollout-0", limit=16)
+    assert a.try_claim(8, backlog_groups=lambda: 0) and a.held == 8
+    assert not a.try_claim(8, backlog_groups=lambda: 1, more=True)  # 1 + 8 + 8 > 16: its own batch counts
+    assert a.try_claim(8, backlog_groups=lambda: 0, more=True) and a.held == 16
+    assert json.loads(rd.claim_file("rollout-0").read_text())["groups"] == 16  # what the other workers see
+    assert not Admission(rd, "rollout-1", limit=16).try_claim(8, backlog_groups=lambda: 0)
+    a.release(8)  # the first batch is published
+    assert a.held == 8 and json.loads(rd.claim_file("rollout-0").read_text())["groups"] == 8
+    assert not a.try_claim(16, backlog_groups=lambda: 0, more=True)  # a batch larger than the room left
+    a.release(8)
+    assert a.held == 0 and not rd.claim_file("rollout-0").exists()

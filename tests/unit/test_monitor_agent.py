@@ -1,4 +1,5 @@
-"""The monitor shows the multi-turn episode metrics (``agent/*``) when a run reports them."""
+"""The monitor shows its optional rows when a run reports them: multi-turn episode metrics (``agent/*``) and partial
+rollouts (``rollout/carried_*``, ``rollout/partial_*``)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,29 @@ def test_agent_metrics_in_snapshot_and_view(tmp_path: Path) -> None:
     console = Console(width=160, record=True)
     console.print(run_view(RunMonitor(rd2).refresh()))
     assert "turns/ep" not in console.export_text()
+
+
+def test_partial_rollout_metrics_in_snapshot_and_view(tmp_path: Path) -> None:
+    import numpy as np
+    from rich.console import Console
+
+    from relax_hpc.monitor.view import run_view
+    from relax_hpc.record import Sample
+    from relax_hpc.rollout.partial import carry_metrics
+
+    carried = carry_metrics([Sample(response_ids=np.ones(3, np.int32), versions=np.array([4, 5, 5], np.int32))], 5)
+    partial = {**carried, "rollout/partial_carried_groups": 3.0, "rollout/partial_aborted_samples": 9.0,
+               "rollout/partial_dropped_groups": 1.0}
+    rd = make_run(tmp_path / "run", steps=0)
+    role_process(rd, role="trainer", rank=0, metrics=[[1, {**trainer_metrics(1), **partial}]], step=1)
+    snap = RunMonitor(rd).refresh()
+    assert snap["carried_tokens"] == 1.0 and snap["carried_age"] == 1.0 and snap["partial_dropped"] == 1.0
+    console = Console(width=160, record=True)
+    console.print(run_view(snap))
+    text = console.export_text()
+    assert "carried tok" in text and "carried age" in text and "turns/ep" not in text
+    rd2 = make_run(tmp_path / "run2", steps=0)  # a run without partial rollouts shows no such row
+    role_process(rd2, role="trainer", rank=0, metrics=[[1, trainer_metrics(1)]], step=1)
+    console = Console(width=160, record=True)
+    console.print(run_view(RunMonitor(rd2).refresh()))
+    assert "carried tok" not in console.export_text()

@@ -20,7 +20,7 @@ def snapshot() -> dict:
             "time": 100.0, "last_progress_time": 90.0, "name": "demo", "run_id": "demo-20261204-234708-7ec4c6",
             "mode": "colocate", "state": "running", "run_dir": "/tmp/a/rather/long/run/dir/demo-colocate",
             "reward_trend": -0.0025}
-    for group in (*view.METRIC_ROWS, view.AGENT_ROW):
+    for group in (*view.METRIC_ROWS, *view.OPTIONAL_ROWS):
         for _, key in group:
             snap[key] = -1.742e-09 if key == "loss" else 12345.678
     return snap
@@ -33,7 +33,7 @@ def test_metric_labels_are_not_cut(width: int) -> None:
     text = console.export_text()
     assert "…" not in text, text
     flat = re.sub(r"[\s│]+", " ", text)
-    for group in (*view.METRIC_ROWS, view.AGENT_ROW):
+    for group in (*view.METRIC_ROWS, *view.OPTIONAL_ROWS):
         for label, _ in group:
             assert f"{label} " in flat, (label, text)
     assert all(len(line) <= width for line in text.splitlines())

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE = [
     "relax_hpc/rundir.py", "relax_hpc/fsio.py", "relax_hpc/lifecycle.py", "relax_hpc/store",
     "relax_hpc/rollout/engine.py", "relax_hpc/rollout/driver.py", "relax_hpc/rollout/hf_engine.py",
-    "relax_hpc/rollout/slots.py", "relax_hpc/bench/lengths.py",
+    "relax_hpc/rollout/slots.py", "relax_hpc/rollout/partial.py", "relax_hpc/bench/lengths.py",
     "relax_hpc/trainer/backend.py", "relax_hpc/roles", "relax_hpc/config", "relax_hpc/modes",
     "relax_hpc/weights/fastpath.py", "relax_hpc/weights/server_links.py", "relax_hpc/weights/transport",
     "relax_hpc/trainer/gpu_checkpoint.py", "relax_hpc/trainer/session.py", "relax_hpc/launch/checks.py",
