@@ -20,6 +20,13 @@ Endpoints (the server runs with ``VLLM_SERVER_DEV_MODE=1``, which serves the RL 
   are loaded. Its backends (``nccl``, ``ipc``, ...) need CUDA, so on a CPU build the fast path fails and the engine
   falls back to the files (an event says so). The trainer's end is :mod:`relax_hpc.weights.vllm_transfer`.
 * ``GET /version`` (read and checked at start).
+* sleep (colocate): ``POST /sleep?level=1|2`` (vLLM pauses its scheduler, aborting nothing here: colocate sleeps
+  between steps, with nothing in flight), then ``POST /wake_up?tags=weights``, the new weights (files, above),
+  ``POST /wake_up?tags=kv_cache``. On a GPU the server is started with ``--enable-sleep-mode`` (level 1 offloads the
+  weights to host memory, level 2 discards them; ``gpu_worker.py``, ``sleep``/``wake_up``). vLLM's CPU build refuses
+  that flag (``config/model.py``: the CPU platform has no sleep mode) and its worker ignores sleep
+  (``v1/worker/cpu_worker.py``: "sleep mode is not supported on CPU, ignore it"): there ``/sleep`` and ``/wake_up``
+  only pause and resume the scheduler and free no memory.
 
 vLLM's CPU backend does not refresh the output projection of a *tied* model (``tie_word_embeddings``) on an in-place
 reload: the lm_head keeps the old embedding. The engine therefore checks the tie at start; for tied models on the CPU
@@ -58,6 +65,7 @@ def default_vllm_python() -> str:
 
 class VLLMEngine(ServerEngine):
     kind = "vllm"
+    can_sleep = True
     health_path = "/health"
     version_path = "/version"
     checked_versions = ">=0.32,<0.33"
@@ -87,6 +95,11 @@ class VLLMEngine(ServerEngine):
             args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
         if self._cpu:
             args += ["--gpu-memory-utilization", "0.1"]  # on the CPU: the share of host memory reserved
+        else:
+            if s.gpu_memory_utilization is not None:
+                args += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+            if s.sleep_level:  # the CPU build refuses the flag (its platform has no sleep mode) and ignores /sleep
+                args += ["--enable-sleep-mode"]
         return args
 
     def server_env(self) -> dict[str, str]:
@@ -187,6 +200,14 @@ class VLLMEngine(ServerEngine):
 
     async def _server_resume(self) -> None:
         await self._json("POST", "/resume")
+
+    # ----------------------------------------------------------------------------------------- sleep
+    async def _server_sleep(self, level: int) -> None:
+        await self._json("POST", "/sleep", params={"level": level})
+
+    async def _server_wake(self, part: str) -> None:
+        tags = {"weights": ["weights"], "rest": ["kv_cache"], "all": []}[part]  # none = every tag
+        await self._json("POST", "/wake_up", params={"tags": tags} if tags else None)
 
     # ----------------------------------------------------------------------------------------- weights
     async def _load_folder(self, path: Path, version: int) -> None:
