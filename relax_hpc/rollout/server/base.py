@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -236,6 +237,11 @@ class ServerEngine(RolloutEngine):
         """Take memory back: ``weights``, ``rest`` (everything but the weights) or ``all``."""
         raise NotImplementedError(f"the {self.kind} engine cannot sleep")
 
+    def build_problem(self, argv: list[str], env: dict[str, str]) -> str | None:
+        """What makes the server build in ``argv``'s environment unusable here (checked before the first start),
+        None when nothing is known to be wrong."""
+        return None
+
     def _on_start(self) -> None:
         """A new server process is up (first start or restart): forget per-server state (its weight-update group)."""
 
@@ -298,6 +304,10 @@ class ServerEngine(RolloutEngine):
                           log=s.log, record=s.record, env=self.server_env(),
                           startup_timeout_s=self.cfg.startup_timeout_s, stop_grace_s=self.cfg.stop_grace_s)
         self.server = ServerProcess(spec)
+        if self.stats.server_starts == 0:  # the first start: a server build that cannot run here is refused now
+            problem = await asyncio.to_thread(self.build_problem, argv, {**os.environ, **spec.env})
+            if problem is not None:
+                raise self.server.refuse(problem)
         self.server.start()
         took = await self.server.wait_ready(self._http())
         self._asleep, self._weights_awake, self._weights_gone = 0, True, False  # a new server is awake

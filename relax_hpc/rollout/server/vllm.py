@@ -102,6 +102,9 @@ class VLLMEngine(ServerEngine):
                 args += ["--enable-sleep-mode"]
         return args
 
+    def build_problem(self, argv: list[str], env: dict[str, str]) -> str | None:
+        return torch_pin_problem(argv, env)
+
     def server_env(self) -> dict[str, str]:
         env = {"VLLM_SERVER_DEV_MODE": "1"}
         if self._cpu:
@@ -288,6 +291,53 @@ class VLLMEngine(ServerEngine):
         self._transfer = g
 
 
+_PIN_SCRIPT = r"""
+import importlib.metadata as md, json
+from packaging.requirements import Requirement
+out = {}
+try:
+    dist = (md.packages_distributions().get("vllm") or ["vllm"])[0]
+    out["dist"], out["vllm"] = dist, md.version(dist)
+    pins = [Requirement(r) for r in (md.requires(dist) or [])]
+    pins = [r for r in pins if r.name == "torch" and (r.marker is None or r.marker.evaluate({"extra": ""}))]
+    out["pin"] = str(pins[0].specifier) if pins else None
+    out["torch"] = md.version("torch")
+except md.PackageNotFoundError:
+    pass
+print(json.dumps(out))
+"""
+
+
+def torch_pin_problem(argv: list[str], env: dict[str, str], timeout_s: float = 60.0) -> str | None:
+    """The vLLM build in the server's Python pins a torch its environment does not have (vLLM wheels pin one exact
+    torch: 0.26 ``torch==2.11.0``; a build against another fails at import with undefined symbols, or later). Read
+    from the installed metadata, nothing imported; None when the command is not ``<python> -m ...`` or nothing is
+    known to be wrong."""
+    import subprocess
+
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    if len(argv) < 3 or not Path(argv[0]).name.startswith("python") or argv[1] != "-m":
+        return None
+    try:
+        got = subprocess.run([argv[0], "-c", _PIN_SCRIPT], env=env, capture_output=True, text=True,
+                             timeout=timeout_s)
+        info = json.loads(got.stdout.strip().splitlines()[-1]) if got.returncode == 0 and got.stdout.strip() else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None  # the start itself will say what is wrong with that Python
+    pin, torch = info.get("pin"), info.get("torch")
+    if not pin or not torch:
+        return None
+    try:
+        if SpecifierSet(pin).contains(Version(torch), prereleases=True):
+            return None
+    except (InvalidSpecifier, InvalidVersion):
+        return None
+    return (f"the vLLM build does not match the installed torch: {info['dist']} {info['vllm']} requires "
+            f"torch{pin}, {argv[0]} has torch {torch} (install the vLLM release built for this torch)")
+
+
 def parallel_ranks(info: Any) -> int:
     """DP x TP x PP in a ``/server_info?config_format=json`` reply."""
     conf = info.get("vllm_config") if isinstance(info, dict) else None
@@ -298,4 +348,5 @@ def parallel_ranks(info: Any) -> int:
         int(par.get("pipeline_parallel_size") or 1)
 
 
-__all__ = ["ServerGone", "VLLMEngine", "default_vllm_python", "parallel_ranks", "vllm_venv_python"]
+__all__ = ["ServerGone", "VLLMEngine", "default_vllm_python", "parallel_ranks", "torch_pin_problem",
+           "vllm_venv_python"]

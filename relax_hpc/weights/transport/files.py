@@ -17,8 +17,8 @@ from relax_hpc.weights.transport.base import WeightReceiver, WeightSender
 if TYPE_CHECKING:
     from relax_hpc.events import EventLog
     from relax_hpc.rollout.engine import RolloutEngine
-    from relax_hpc.rundir import RunDir
     from relax_hpc.rollout.weight_sync import WeightSync
+    from relax_hpc.rundir import RunDir
     from relax_hpc.trainer.session import TrainerSession
 
 
