@@ -40,7 +40,7 @@ def _engine(rd: RunDir, level: int, name: str):
     from relax_hpc.rollout.server import make_server_engine
 
     cfg = recipe("sglang", rd.root, command=f"{sys.executable} {STANDIN}", restart_backoff_s=0.2,
-                 env={"PYTHONPATH": os.getcwd()})
+                 env={"PYTHONPATH": os.getcwd(), "SGLANG_STANDIN_STRICT": "1"})  # a field SGLang lacks: 400
     server = cfg.rollout.server.model_copy(update={"sleep_level": level})
     cfg = cfg.model_copy(update={"mode": "colocate", "rollout": cfg.rollout.model_copy(update={"server": server})})
     return make_server_engine(cfg, run_dir=rd, proc=name, device="cpu", seed=0, tokenizer=build_digits_tokenizer())

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from relax_hpc.config.load import validate_dict
-from relax_hpc.errors import ConfigError
+from relax_hpc.errors import ConfigError, UserError
 from relax_hpc.rollout.server import memory_share, sleep_level
 
 BASE: dict[str, Any] = {"data": {"task": {"name": "reverse_digits"}}, "model": {"path": "tiny"}}
@@ -85,3 +85,17 @@ def test_engines_declare_sleep() -> None:
 
     assert _engine("vllm", "cpu", 2, None).can_sleep and _engine("sglang", "cpu", 2, None).can_sleep
     assert not RolloutEngine.can_sleep and not HFEngine.can_sleep
+
+
+def test_preflight_lets_a_colocate_server_use_the_gpu_beside_a_cpu_trainer() -> None:
+    """The in-process engine generates with the trainer's model, so ``rollout.device: cuda`` beside a CPU trainer is
+    refused; a server engine runs on its own ``rollout.device``, so the same recipe is no contradiction (the check
+    then only asks whether the machine has a GPU)."""
+    from relax_hpc.config.preflight import CannotRunHere, check_devices
+
+    with pytest.raises(UserError, match="generates with the trainer's model"):
+        check_devices(cfg(rollout={"device": "cuda"}, trainer={"device": "cpu"}), "local")
+    try:
+        check_devices(cfg(rollout={"engine": "vllm", "device": "cuda"}, trainer={"device": "cpu"}), "local")
+    except CannotRunHere as exc:  # a machine without a GPU: the device check, not the contradiction
+        assert "rollout.device is cuda but this machine has no CUDA device" in str(exc)
