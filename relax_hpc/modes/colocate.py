@@ -76,8 +76,10 @@ class Colocate:
         # each rank's own engine model receives the whole state (a server reads the files rank 0 writes)
         self.trainer.state_on_every_rank = shared is None and not server
         where = {"run_dir": run_dir, "proc": f"colocate-{rank}", "events": r.events} if server else {}
-        self.engine = C.build_engine(cfg, tok, seed=cfg.seed + rank, model=shared,
-                                     device=r.policy.device if shared is not None else None, **where)
+        on_gpu = server and str(r.policy.device).startswith("cuda") and cfg.rollout.device != "cpu"
+        device = r.policy.device if shared is not None else (str(r.policy.device) if on_gpu else None)
+        self.engine = C.build_engine(cfg, tok, seed=cfg.seed + rank, model=shared, device=device,  # a server: on
+                                     **where)  # the rank's GPU
         if wrap_engine is not None:
             self.engine = wrap_engine(self.engine)
         if self.engine.threaded:

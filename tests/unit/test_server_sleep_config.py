@@ -99,3 +99,12 @@ def test_preflight_lets_a_colocate_server_use_the_gpu_beside_a_cpu_trainer() -> 
         check_devices(cfg(rollout={"engine": "vllm", "device": "cuda"}, trainer={"device": "cpu"}), "local")
     except CannotRunHere as exc:  # a machine without a GPU: the device check, not the contradiction
         assert "rollout.device is cuda but this machine has no CUDA device" in str(exc)
+
+
+def test_a_colocate_server_takes_its_ranks_gpu() -> None:
+    from relax_hpc.rollout.server import colocate_gpu
+
+    assert colocate_gpu("cuda:1", ["4", "5"]) == "5" and colocate_gpu("cuda", ["4", "5"]) == "4"
+    assert colocate_gpu("cuda:3", []) == "3"  # every GPU visible: the index is the GPU
+    with pytest.raises(UserError, match="sees only GPUs 4"):
+        colocate_gpu("cuda:1", ["4"])

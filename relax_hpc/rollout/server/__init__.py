@@ -39,12 +39,24 @@ def server_gpus(local_rank: int, index: int, gpus_per_server: int, visible: list
     return chosen
 
 
-def _gpu_env(cfg: RecipeConfig, index: int) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` for a server on a GPU node (Slurm: from the task's local id)."""
+def colocate_gpu(device: str, visible: list[str]) -> str:
+    """The GPU (as ``CUDA_VISIBLE_DEVICES`` names it) of a colocate rank's trainer on ``device`` (``cuda`` or
+    ``cuda:N``, an index into the ``visible`` GPUs; all GPUs when none are named): its server shares it."""
+    idx = int(device.split(":", 1)[1]) if ":" in device else 0
+    if visible and idx >= len(visible):
+        raise UserError(f"the trainer is on {device} but this process sees only GPUs {','.join(visible)}")
+    return visible[idx] if visible else str(idx)
+
+
+def _gpu_env(cfg: RecipeConfig, index: int, device: str = "cuda") -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for a server on a GPU node (Slurm: from the task's local id; colocate: the GPU of
+    the rank's trainer, ``device``)."""
     import os
 
     gpus = cfg.rollout.server.gpus_per_server or cfg.rollout.server.tp_size
     visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g != ""]
+    if cfg.mode == "colocate" and gpus == 1:
+        return {"CUDA_VISIBLE_DEVICES": colocate_gpu(device, visible)}
     if not visible:
         return {}
     local = int(os.environ.get("SLURM_LOCALID", "0"))
@@ -112,7 +124,7 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
                         events=events, sleep_level=sleep_level(cfg), gpu_memory_utilization=memory_share(cfg))
     server_cfg = cfg.rollout.server
     if device != "cpu":
-        env = {**_gpu_env(cfg, index), **server_cfg.env}
+        env = {**_gpu_env(cfg, index, device), **server_cfg.env}
         server_cfg = server_cfg.model_copy(update={"env": env})
     kind = cfg.rollout.engine
     if kind == "vllm":
