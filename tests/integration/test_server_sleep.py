@@ -123,3 +123,28 @@ def test_level1_keeps_the_weights_in_host_memory(tmp_path, loop):
         np.testing.assert_allclose(s.logprobs, ref, atol=1e-5)
     finally:
         loop.run(engine.close(), timeout=60)
+
+
+def test_colocate_demo_on_the_sglang_standin(tmp_path: Path) -> None:
+    """``relax-hpc submit`` in mode colocate with ``rollout.engine: sglang`` (the stand-in as the server command):
+    after each generation the server releases its memory (level 2: the stand-in's weights become NaN), after the
+    optimizer step it resumes the weights' memory, loads the new version's files, resumes the rest; the trainer's
+    recomputed log-probs equal the server's (it generated with the trainer's weights at every step)."""
+    from tests.helpers.runutil import DEMO, cli, metrics
+
+    run = tmp_path / "run"
+    sets = ["rollout.engine=sglang", "num_steps=2", "warmup.steps=0", "rollout.server.startup_timeout_s=120",
+            f"rollout.server.command={sys.executable} {STANDIN}", f"rollout.server.env.PYTHONPATH={os.getcwd()}"]
+    args = ["submit", str(DEMO), "--executor", "local", "--run-dir", str(run)]
+    for s in sets:
+        args += ["--set", s]
+    proc = cli(*args, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    ms = [m["metrics"] for m in metrics(run, "colocate-0") if "rollout/reward" in m["metrics"]]
+    assert [m["weights/version"] for m in ms] == [1.0, 2.0]
+    for m in ms:
+        assert m["perf/sleep_s"] > 0 and m["perf/wake_s"] > 0
+        assert m["train/logprob_abs_diff_max"] < 1e-4, m["train/logprob_abs_diff_max"]
+    log = (run / "logs" / "server-colocate-0-0.log").read_text()
+    assert log.count("released memory ['cuda_graph', 'kv_cache', 'weights'] (memory saver on)") == 2
+    assert log.count("resumed memory ['weights']") == 2 and log.count("resumed memory ['cuda_graph', 'kv_cache']") == 2
