@@ -154,7 +154,7 @@ def make_sender(cfg: RecipeConfig, session: TrainerSession, *, run_dir: RunDir, 
             raise ValueError("weights.transport=files in colocate needs the engine and its loop")
         from relax_hpc.weights.transport.files import EngineFilesSender
 
-        return EngineFilesSender(files, engine, call, run_dir=run_dir)
+        return EngineFilesSender(files, engine, call, run_dir=run_dir, verify=cfg.weights.verify)
     if isinstance(t, FilesTransport):
         return FilesSender(files, publish_every=every)
     from relax_hpc.weights.transport.process_group import LinkSender

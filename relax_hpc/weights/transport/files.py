@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from relax_hpc.weights.transport.base import WeightReceiver, WeightSender
 
@@ -105,13 +105,15 @@ class EngineFilesSender(WeightSender):
     kind = "files"
 
     def __init__(self, files: SnapshotFiles, engine: RolloutEngine, call: Callable[[Coroutine[Any, Any, Any]], Any],
-                 *, run_dir: RunDir, wait_files_s: float = 600.0):
+                 *, run_dir: RunDir, verify: Literal["sha256", "size"] = "sha256", wait_files_s: float = 600.0):
         self.files = files
         self.trainer = files.session.trainer
         self.engine = engine
         self.call = call
         """Runs a coroutine of the engine on its event loop (the rollout driver's ``call``)."""
         self.run_dir = run_dir
+        self.verify = verify
+        """How the engine checks a folder before its server reads it (``weights.verify``)."""
         self.wait_files_s = wait_files_s
 
     def start(self, version: int) -> None:
@@ -133,7 +135,7 @@ class EngineFilesSender(WeightSender):
         self.files.drain()  # re-raises a failed write
         folder = self.run_dir.snapshot(version)
         wait_for(lambda: is_complete(folder), what=f"the snapshot files of v{version}", timeout_s=self.wait_files_s)
-        self.call(self.engine.receive(version, SnapshotFolder(folder, verify="size")))
+        self.call(self.engine.receive(version, SnapshotFolder(folder, verify=self.verify)))
 
     def close(self) -> None:
         self.files.close()
