@@ -49,6 +49,8 @@ below names the SGLang 0.5.10 source it follows (read from the ``sglang-0.5.10``
 
 Not modelled: SGLang's scheduler runs control calls one at a time; here they run on their own threads (generation is
 still one forward at a time under a lock, so pause/abort/weight updates land between tokens as in SGLang).
+Generation while memory is released (on a GPU it would touch unmapped memory; the engine refuses to ask for it)
+and the memory itself (nothing is freed: the stand-in has no GPU).
 
     python tests/helpers/sglang_standin.py --model-path DIR --port 30000 [--host ...] [--weight-version 0] ...
 """
