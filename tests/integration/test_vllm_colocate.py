@@ -50,7 +50,10 @@ def _submit(run: Path, *sets: str, timeout: float = 600) -> tuple[int, str]:
 def vllm_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("colo") / "run"
     t0 = time.monotonic()
-    code, out = _submit(run, "mode=colocate", "rollout.engine=vllm", "rollout.device=cpu")
+    # eager: the CPU build's torch.compile warm-up would take most of the test (67 s to ready instead of 226 s on
+    # the loaded dev machine, 2026-12-05); the colocate path is the same
+    code, out = _submit(run, "mode=colocate", "rollout.engine=vllm", "rollout.device=cpu",
+                        'rollout.server.extra_args=["--enforce-eager"]')
     print(f"colocate vllm demo ({STEPS} steps): {time.monotonic() - t0:.0f} s")
     assert code == 0, out[-3000:]
     return run
