@@ -9,8 +9,9 @@ step (the trainer's recomputed log-probs match the server's; no sample is of ano
 metrics an ``hf`` colocate run reports plus ``perf/sleep_s`` and ``perf/wake_s``. What it does not prove: that
 memory is freed. vLLM's CPU worker ignores sleep (``v1/worker/cpu_worker.py``: "sleep mode is not supported on CPU,
 ignore it"; the server log below shows the warning) and refuses ``--enable-sleep-mode``, so a level-2 sleep that
-discards the weights and a wake that finds them gone only happen on a GPU. Skipped without the vLLM venv unless
-``RELAX_REQUIRE_VLLM=1``.
+discards the weights and a wake that finds them gone only happen on a GPU. Bad input: a server that cannot get the
+memory it is asked for stops the run with one error naming the cause and the server log. Skipped without the vLLM
+venv unless ``RELAX_REQUIRE_VLLM=1``.
 """
 
 from __future__ import annotations
@@ -86,3 +87,21 @@ def test_colocate_vllm_reports_what_colocate_hf_reports(vllm_run: Path, tmp_path
     hf = {k for m in metrics(tmp_path / "hf", "colocate-0") for k in m["metrics"] if not k.startswith("warmup/")}
     got = {k for m in metrics(vllm_run, "colocate-0") for k in m["metrics"] if not k.startswith("warmup/")}
     assert hf <= got, sorted(hf - got)
+
+
+def test_not_enough_memory_for_the_server_one_error(tmp_path: Path) -> None:
+    """The real CPU server asked for more KV-cache memory than the host has (the CPU side of "not enough GPU memory
+    for the split": vLLM's CPU worker refuses at start, ``v1/worker/cpu_worker.py``): one ``error:`` line with the
+    cause and the server log, exit 2, no traceback."""
+    run = tmp_path / "run"
+    code, out = _submit(run, "mode=colocate", "rollout.engine=vllm", "rollout.device=cpu", "warmup.steps=0",
+                        'rollout.server.extra_args=["--enforce-eager"]',
+                        'rollout.server.env.VLLM_CPU_KVCACHE_SPACE="100000"')
+    assert code == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    log = run / "logs" / "server-colocate-0-0.log"
+    joined = " ".join(out.split())
+    assert ("error: colocate-0: inference server colocate-0-0: the server exited at start (exit code 1): not enough "
+            "free host memory for the CPU server") in joined, out[-3000:]
+    assert f"(serverlog:{log})" in "".join(out.split()), out[-3000:]
+    assert "is less than requested memory for kv" in log.read_text()  # vLLM's own refusal
