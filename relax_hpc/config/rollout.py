@@ -95,6 +95,15 @@ class ServerConfig(Section):
     weight-transfer engine); any failure falls back to the files, logged as an event."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """Bound on one weight update of a server (either path) before it counts as failed."""
+    sleep_level: Literal[0, 1, 2] | None = None
+    """Colocate: how the server sleeps while the trainer trains (vLLM ``/sleep``, SGLang
+    ``/release_memory_occupation``): 0 = never (it keeps its memory the whole step); 1 = KV cache freed, weights
+    kept in host memory; 2 = KV cache and weights freed (the new weights are loaded after waking anyway, so nothing
+    needs keeping). ``None`` = 2 in colocate. fully_async servers never sleep (setting 1 or 2 there is an error)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, lt=1)
+    """The share of its GPU's memory a server takes for weights, activations and KV cache (vLLM
+    ``--gpu-memory-utilization``, SGLang ``--mem-fraction-static``); in colocate the trainer lives on the rest.
+    ``None`` = the engine's default in fully_async, 0.5 in colocate. Not used by a CPU server."""
     versions: str | None = None
     """Server versions accepted at start (a PEP 440 specifier, ``">=0.5.10,<0.6"``); ``None`` = the releases the
     engine was checked against (sglang ``>=0.5.10,<=0.5.23``, vllm ``>=0.32,<0.33``); ``""`` = any."""

@@ -199,6 +199,19 @@ class RecipeConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _server_sleep(self) -> RecipeConfig:
+        if not isinstance(self.rollout, ServerRolloutBase):
+            return self
+        level = self.rollout.server.sleep_level
+        if self.mode == "fully_async" and level:
+            raise ValueError(f"rollout.server.sleep_level={level}: only colocate puts its servers to sleep (in "
+                             "fully_async they generate while the trainer trains); drop it or use mode: colocate")
+        if self.mode == "colocate" and self.weights.publish_every != 1:
+            raise ValueError(f"weights.publish_every={self.weights.publish_every}: in colocate a server engine loads "
+                             "every version from its snapshot files; use 1")
+        return self
+
+    @model_validator(mode="after")
     def _env_warmup(self) -> RecipeConfig:
         if self.warmup.source == "env" and self.warmup.steps and self.rollout.env is None:
             raise ValueError("warmup.source: env needs rollout.env (an episode environment)")

@@ -154,13 +154,16 @@ def check_data(data: DataConfig, tokenizer: Any) -> None:
 
 def check_devices(cfg: RecipeConfig, executor: str) -> None:
     """``device: cuda`` needs GPUs: on Slurm in the role's resources, locally on this machine. A role that trains
-    generates (if it does) with the trainer's model, on ``trainer.device``; a role that only generates uses
-    ``rollout.device``."""
+    generates (if it does) with the trainer's model, on ``trainer.device`` (a server engine: on its server's
+    ``rollout.device``); a role that only generates uses ``rollout.device``."""
+    from relax_hpc.config.schema import ServerRolloutBase
     from relax_hpc.roles.spec import mode_spec
 
+    in_process = not isinstance(cfg.rollout, ServerRolloutBase)
     for spec in mode_spec(cfg).roles:
         section = "trainer" if spec.trains else "rollout"
-        if spec.trains and spec.generates and cfg.rollout.device == "cuda" and cfg.trainer.device == "cpu":
+        if spec.trains and spec.generates and in_process and cfg.rollout.device == "cuda" and \
+                cfg.trainer.device == "cpu":
             raise UserError(f"rollout.device is cuda but {cfg.mode} generates with the trainer's model, which "
                             "trainer.device puts on the cpu; set trainer.device: cuda (or rollout.device: auto)")
         if getattr(cfg, section).device != "cuda":

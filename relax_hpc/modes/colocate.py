@@ -7,6 +7,12 @@ the leader plans the step's batch from the store -> every rank trains on its par
 version through the ``memory`` weight transport (:mod:`relax_hpc.weights.transport.memory`: the same module, updated
 in memory, or a copy). Snapshots are published
 every ``weights.publish_every`` steps, checkpoints every ``trainer.checkpoint_every`` steps and on SIGUSR2/SIGTERM.
+
+With a server engine (``vllm``, ``sglang``) each rank starts its own server; it sleeps after generating
+(``rollout.server.sleep_level``: its KV cache, and at level 2 its weights, freed for the trainer), wakes its weights'
+memory after the optimizer step, loads the new version's snapshot files (the ``files`` transport,
+:class:`relax_hpc.weights.transport.files.EngineFilesSender`), then wakes the rest. ``perf/sleep_s`` and
+``perf/wake_s`` time the two ends.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from relax_hpc.config.schema import RecipeConfig
+from relax_hpc.config.schema import RecipeConfig, ServerRolloutBase
 from relax_hpc.errors import UserError
 from relax_hpc.eval.hook import EvalHook
 from relax_hpc.rundir import RunDir
@@ -33,7 +39,7 @@ PHASE_METRICS = {  # phase of the step timer -> metric
     "preprocess": "perf/preprocess_wait_time",
     "generate": "perf/rollout_time", "reward": "perf/reward_time", "store_write": "perf/store_write_time",
     "read": "perf/store_read_time", "prepare": "perf/prepare_time", "sync": "perf/update_weights_time",
-    "checkpoint": "perf/checkpoint_time",
+    "checkpoint": "perf/checkpoint_time", "sleep": "perf/sleep_s", "wake": "perf/wake_s",
 }
 
 
@@ -59,6 +65,7 @@ class Colocate:
         from relax_hpc.modes.trainer_role import start_trainer_role
         from relax_hpc.rollout.driver import RolloutDriver
         from relax_hpc.rollout.hf_engine import sampling_params
+        from relax_hpc.rollout.server import sleep_level
         from relax_hpc.store import ShardWriter
         from relax_hpc.weights.transport import make_sender
 
@@ -66,16 +73,23 @@ class Colocate:
         self.role = r = start_trainer_role(run_dir, cfg, "colocate", rank=rank, world_size=world_size)
         self.trainer, self.session, self.consumer, self.plan_seq = r.trainer, r.session, r.consumer, r.plan_seq
         tok = r.policy.tokenizer
-        shared = self.trainer.generation_model()
-        self.trainer.state_on_every_rank = shared is None  # each rank's own engine model receives the whole state
-        self.engine = C.build_engine(cfg, tok, seed=cfg.seed + rank, model=shared, colocated=True,
-                                     device=r.policy.device if shared is not None else None)
+        server = isinstance(cfg.rollout, ServerRolloutBase)  # a server process per rank, fed from the files
+        shared = None if server else self.trainer.generation_model()
+        # each rank's own engine model receives the whole state (a server reads the files rank 0 writes)
+        self.trainer.state_on_every_rank = shared is None and not server
+        where = {"run_dir": run_dir, "proc": f"colocate-{rank}", "events": r.events} if server else {}
+        on_gpu = server and str(r.policy.device).startswith("cuda") and cfg.rollout.device != "cpu"
+        device = r.policy.device if shared is not None else (str(r.policy.device) if on_gpu else None)
+        self.engine = C.build_engine(cfg, tok, seed=cfg.seed + rank, model=shared, device=device,  # a server: on
+                                     colocated=True, **where)  # the rank's GPU
         if wrap_engine is not None:
             self.engine = wrap_engine(self.engine)
         if self.engine.threaded:
             import torch
 
             torch.set_num_threads(1)  # this thread's torch ops are small; the engine's thread runs the heavy ones
+        self.sleep_level = sleep_level(cfg) if self.engine.can_sleep else 0
+        """How deep the engine sleeps while this rank trains (0 = never; ``rollout.server.sleep_level``)."""
         self.stream = C.build_rollout_stream(cfg, tok)
         if r.state is not None:
             self.stream.load_state(r.state["data"])
@@ -150,6 +164,8 @@ class Colocate:
 
         cfg, timer = self.cfg, PhaseTimer()
         res = self._generate(timer)
+        with timer.phase("sleep"):  # a server frees its memory for the trainer until the new weights come
+            self._sleep()
         _barrier(self.world_size)
         with timer.phase("read"):
             items, counts = self._read_batch()
@@ -157,14 +173,27 @@ class Colocate:
             prep = prepare_items(items, cfg, self.role.algorithm)
         metrics = self._on_engine_thread(functools.partial(self.trainer.train_step, prep.items))
         self.session.version = self.trainer.step
+        with timer.phase("wake"):
+            self._wake(weights_only=True)
         with timer.phase("sync"):  # the engine's weights in memory; the files when due (one GPU: in the background)
             self.sender.send(self.trainer.step, final=self.trainer.step == cfg.num_steps)
+        with timer.phase("wake"):
+            self._wake()
         self.evals.on_weights(self.trainer.step)  # when due: on the engine, which now holds this version
         with timer.phase("checkpoint"):
             self._checkpoint_or_poll()
         metrics.update(prep.metrics)
         metrics.update({**res.counts, **counts, **self.stream.stats()})
         self._log(metrics, timer, res, len(items))
+
+    def _sleep(self) -> None:
+        if self.sleep_level:
+            self.driver.call(self.engine.sleep(self.sleep_level))
+
+    def _wake(self, *, weights_only: bool = False) -> None:
+        """The weights' memory first (the new version goes there), the rest after it."""
+        if self.sleep_level:
+            self.driver.call(self.engine.wake(weights_only=weights_only))
 
     def _read_batch(self) -> tuple[list[Any], dict[str, float]]:
         """The step's batch from the store: everything published now, of the current version (older leftovers are

@@ -167,6 +167,10 @@ class RolloutEngine(ABC):
     threaded: bool = False
     """Capability: the engine runs its heavy compute on a thread of its own; :meth:`run_on_thread` runs other work
     there (colocate runs the optimizer step there, so one OS thread's torch pool does the heavy work)."""
+    can_sleep: bool = False
+    """Capability (colocate): :meth:`sleep` frees the engine's accelerator memory while the trainer trains and
+    :meth:`wake` takes it back (a server engine: vLLM ``/sleep`` and ``/wake_up``, SGLang
+    ``/release_memory_occupation`` and ``/resume_memory_occupation``)."""
 
     @abstractmethod
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -203,6 +207,18 @@ class RolloutEngine(ABC):
         """Run ``fn`` where the engine runs its heavy compute, between batches, and return its result: on the
         engine's own thread when :attr:`threaded`; here by default."""
         return fn()
+
+    async def sleep(self, level: int) -> None:
+        """Free memory while nothing is in flight (:attr:`can_sleep` engines): level 1 frees the KV cache and keeps
+        the weights in host memory, level 2 frees both. Generation waits for :meth:`wake`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep (can_sleep is False)")
+
+    async def wake(self, *, weights_only: bool = False) -> None:
+        """Undo :meth:`sleep` (nothing when awake). ``weights_only``: restore only the weights' memory, so that new
+        weights are received (:meth:`receive`) before the KV cache takes its memory back; a second call without
+        it wakes the rest. After a level-2 sleep the weights' contents are gone: a version must be received
+        between the two calls."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep (can_sleep is False)")
 
     def metrics(self) -> dict[str, float]:
         """Counters of the engine for the worker's metrics (server starts, restarts, fallbacks); none by default."""

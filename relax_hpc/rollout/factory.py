@@ -28,11 +28,9 @@ def make_engine(cfg: RecipeConfig, *, device: str | None = None, seed: int = 0, 
     if kind in ("sglang", "vllm"):
         from relax_hpc.rollout.server import make_server_engine
 
-        if model is not None:
-            from relax_hpc.errors import UserError
-
-            raise UserError(f"rollout.engine={kind}: a server engine generates with its server's own weights and "
-                            "cannot share the trainer's module (colocate); use rollout.engine=hf there")
+        if model is not None:  # colocate builds a server engine without the trainer's module
+            raise ValueError(f"rollout.engine={kind}: a server engine generates with its server's own weights; it "
+                             "takes no module")
         if run_dir is None:
             raise ValueError(f"rollout.engine={kind}: a server engine needs the run dir")
         dev = device or ("cpu" if cfg.rollout.device == "cpu" else "cuda")

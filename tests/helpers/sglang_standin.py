@@ -32,11 +32,25 @@ below names the SGLang 0.5.10 source it follows (read from the ``sglang-0.5.10``
 * ``sampling_seed`` is used only with ``--enable-deterministic-inference`` (``sampling/sampling_batch_info.py``,
   ``from_schedule_batch``: seeds are gathered only when ``enable_deterministic_inference``; then a request without
   one gets 42). Without the flag all requests draw from the server's generator.
+* ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``http_server.py``; the scheduler's side is
+  ``managers/scheduler_update_weights_mixin.py``): ``tags`` (``io_struct.py``, ``Release``/
+  ``ResumeMemoryOccupationReqInput``) empty or None = every tag (``constants.py``, ``GPU_MEMORY_ALL_TYPES``:
+  ``kv_cache``, ``weights``, ``cuda_graph``). Release asserts an idle scheduler (``is_fully_idle``; an assert kills
+  the server) and adds the tags to ``offload_tags``; resume removes them (``set.remove``: a tag not released is a
+  ``KeyError`` in the scheduler, which takes the server down). The memory is freed only with
+  ``--enable-memory-saver`` (``utils/torch_memory_saver_adapter.py``: otherwise a no-op adapter). Released weights
+  lose their contents unless the server runs with ``--enable-weights-cpu-backup`` (``model_executor/
+  model_runner.py``, the weights' region ``enable_cpu_backup``); the stand-in fills them with NaN then. Buffers
+  survive (``_export_static_state`` / ``_import_static_state``). The HTTP reply of success is ``null`` (the handler
+  returns nothing); an exception outside the scheduler is 400 ``{"error": {"message"}}`` (``_create_error_response``).
+  ``--mem-fraction-static`` is accepted and has no effect here (no GPU).
 * ``/server_info`` and ``/get_server_info`` report the server arguments and ``version`` (``http_server.py``,
   ``server_info``); the stand-in reports 0.5.10 (``SGLANG_STANDIN_VERSION`` overrides it, for tests).
 
 Not modelled: SGLang's scheduler runs control calls one at a time; here they run on their own threads (generation is
 still one forward at a time under a lock, so pause/abort/weight updates land between tokens as in SGLang).
+Generation while memory is released (on a GPU it would touch unmapped memory; the engine refuses to ask for it)
+and the memory itself (nothing is freed: the stand-in has no GPU).
 
     python tests/helpers/sglang_standin.py --model-path DIR --port 30000 [--host ...] [--weight-version 0] ...
 """
@@ -82,6 +96,8 @@ FIELDS: dict[str, list[str]] = {
     "/init_weights_update_group": [  # InitWeightsUpdateGroupReqInput
         *_BASE, "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"],
     "/destroy_weights_update_group": [*_BASE, "group_name"],  # DestroyWeightsUpdateGroupReqInput
+    "/release_memory_occupation": [*_BASE, "tags"],  # ReleaseMemoryOccupationReqInput
+    "/resume_memory_occupation": [*_BASE, "tags"],  # ResumeMemoryOccupationReqInput
     "/update_weights_from_distributed": [  # UpdateWeightsFromDistributedReqInput
         *_BASE, "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
         "load_format"],
@@ -98,6 +114,7 @@ SAMPLING = ["max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperatu
             "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
             "no_stop_trim", "custom_params", "stream_interval", "logit_bias", "sampling_seed"]
 DEFAULT_GROUP = "weight_update_group"
+GPU_MEMORY_ALL_TYPES = ["kv_cache", "weights", "cuda_graph"]  # constants.py (0.5.10)
 _SAY = threading.Lock()
 
 
@@ -139,6 +156,8 @@ class State:
         self.inflight: dict[str, int] = {}
         self.gen = torch.Generator().manual_seed(args.random_seed)
         self.groups: dict[str, Any] = {}  # weight update groups by name
+        self.offload_tags: set[str] = set()  # released memory (scheduler.offload_tags)
+        self.weights_backup: dict[str, torch.Tensor] | None = None  # --enable-weights-cpu-backup: the host copy
 
     def wait_running(self, rid: str | None = None, epoch: int | None = None) -> None:
         """Until generation is resumed (or, for a request in flight, it is aborted)."""
@@ -456,6 +475,40 @@ def abort(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     return 200, {}
 
 
+def release_memory(st: State, body: dict[str, Any]) -> tuple[int, Any]:
+    """scheduler_update_weights_mixin.py (0.5.10), ``release_memory_occupation``."""
+    if st.inflight:
+        raise Fatal("AssertionError: release_memory_occupation should be called only when server is idle.")
+    tags = body.get("tags") or GPU_MEMORY_ALL_TYPES
+    st.offload_tags.update(tags)
+    if "weights" in tags and st.args.enable_memory_saver:
+        with st.lock, torch.no_grad():
+            params = dict(st.model.named_parameters())
+            st.weights_backup = {k: v.detach().clone() for k, v in params.items()} \
+                if st.args.enable_weights_cpu_backup else None
+            for v in params.values():
+                v.fill_(float("nan"))  # the physical memory is gone; what the pages hold on resume is garbage
+    _say(f"released memory {sorted(tags)} (memory saver {'on' if st.args.enable_memory_saver else 'off'})")
+    return 200, None
+
+
+def resume_memory(st: State, body: dict[str, Any]) -> tuple[int, Any]:
+    """scheduler_update_weights_mixin.py (0.5.10), ``resume_memory_occupation``."""
+    tags = body.get("tags") or GPU_MEMORY_ALL_TYPES
+    for tag in tags:
+        if tag not in st.offload_tags:  # offload_tags.remove(tag): a KeyError in the scheduler
+            raise Fatal(f"KeyError: {tag!r}")
+        st.offload_tags.remove(tag)
+    if "weights" in tags and st.weights_backup is not None:
+        with st.lock, torch.no_grad():
+            params = dict(st.model.named_parameters())
+            for k, v in st.weights_backup.items():
+                params[k].copy_(v)
+        st.weights_backup = None
+    _say(f"resumed memory {sorted(tags)}")
+    return 200, None
+
+
 def health(st: State) -> int:
     """http_server.py (0.5.10), ``health_generate``: a one-token generation, waited for up to
     ``HEALTH_CHECK_TIMEOUT`` s in 1 s steps; it cannot run while generation is paused."""
@@ -480,7 +533,8 @@ def server_info(st: State) -> dict[str, Any]:
 
 ROUTES = {"/generate": generate, "/update_weights_from_disk": load_disk, "/init_weights_update_group": init_group,
           "/update_weights_from_distributed": load_distributed, "/destroy_weights_update_group": destroy_group,
-          "/pause_generation": pause, "/continue_generation": resume, "/abort_request": abort}
+          "/pause_generation": pause, "/continue_generation": resume, "/abort_request": abort,
+          "/release_memory_occupation": release_memory, "/resume_memory_occupation": resume_memory}
 
 
 def make_handler(st: State) -> type[BaseHTTPRequestHandler]:
@@ -556,6 +610,9 @@ def main() -> None:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--enable-deterministic-inference", action="store_true")
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true")
+    p.add_argument("--mem-fraction-static", type=float, default=None)
     args = p.parse_args()  # unknown flags: exit 2 at start, as SGLang's parser does
     torch.set_num_threads(1)
     st = State(args)

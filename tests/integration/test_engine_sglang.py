@@ -126,6 +126,8 @@ IO_STRUCT_0_5_10 = {  # endpoint -> fields of its request struct, in declaration
     "/destroy_weights_update_group": [*_BASE, "group_name"],
     "/update_weights_from_distributed": [*_BASE, "names", "dtypes", "shapes", "group_name", "flush_cache",
                                          "abort_all_requests", "weight_version", "load_format"],
+    "/release_memory_occupation": [*_BASE, "tags"],
+    "/resume_memory_occupation": [*_BASE, "tags"],
 }
 SAMPLING_PARAMS_0_5_10 = [
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
@@ -138,7 +140,9 @@ STRUCTS = {"/generate": "GenerateReqInput", "/abort_request": "AbortReq",
            "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
            "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
            "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
-           "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput"}
+           "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+           "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+           "/resume_memory_occupation": "ResumeMemoryOccupationReqInput"}
 
 
 def read_io_struct(src: Path) -> dict[str, list[str]]:
@@ -544,7 +548,6 @@ def test_unknown_server_flag_fails_at_start(tmp_path, loop):
 
 
 def test_make_engine_dispatch(tmp_path):
-    from relax_hpc.errors import UserError
     from relax_hpc.models.tiny import build_digits_tokenizer
     from relax_hpc.rollout.factory import make_engine
     from relax_hpc.rollout.server.sglang import SGLangEngine
@@ -559,7 +562,7 @@ def test_make_engine_dispatch(tmp_path):
         engine = make_engine(cfg, tokenizer=tok, device="cpu", run_dir=rd, proc="rollout-3")
         assert isinstance(engine, cls) and engine.server is None  # starts at first use
         assert engine.setup.record == rd.server_record("rollout-3-0")
-        with pytest.raises(UserError, match="cannot share the trainer's module"):
+        with pytest.raises(ValueError, match="takes no module"):
             make_engine(cfg, tokenizer=tok, device="cpu", run_dir=rd, model=object())
         with pytest.raises(ValueError, match="needs the run dir"):
             make_engine(cfg, tokenizer=tok, device="cpu")

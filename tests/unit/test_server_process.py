@@ -217,3 +217,27 @@ def test_vllm_runs_on_the_cpu_without_a_gpu(tmp_path):
     assert engine.setup.device == "cpu" and "--gpu-memory-utilization" in engine.server_args(engine.setup.model_dir, 1)
     cfg.rollout.device = "cuda"
     assert make_engine(cfg, tokenizer=tok, run_dir=rd, proc="rollout-1").setup.device == "cuda"
+
+
+@pytest.mark.parametrize(("line", "cause"), [
+    ("ValueError: Free memory on device cuda:0 (20.1/139.8 GiB) on startup is less than desired GPU memory "
+     "utilization (0.5, 69.9 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+     "not enough free GPU memory for the server's share"),
+    ("ValueError: Available memory on node 0 (14.2/23.5 GiB) on kv cache allocation is less than requested memory "
+     "for kv (97656.25 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by "
+     "other processes.", "not enough free host memory for the CPU server"),
+    ("RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.",
+     "leaves no room for its KV cache"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "out of GPU memory at start"),
+    ("ImportError: /venv/lib/python3.11/site-packages/vllm/_C.abi3.so: undefined symbol: _ZN3c104cuda9SetDeviceEi",
+     "do not match the installed torch"),
+    ("INFO all good", None),
+])
+def test_start_failure_cause_reads_the_servers_own_messages(line: str, cause: str | None) -> None:
+    """The servers' own start-failure texts (vLLM 0.32 ``v1/worker/utils.py``, ``v1/worker/cpu_worker.py``; SGLang
+    0.5.10 ``model_runner_kv_cache_mixin.py``; the loader's ``undefined symbol``) give the cause in the error's first
+    line."""
+    from relax_hpc.rollout.server.process import start_failure_cause
+
+    got = start_failure_cause(f"INFO starting\n{line}\nINFO shutting down")
+    assert (got is None) if cause is None else (got is not None and cause in got), got

@@ -31,6 +31,8 @@ def quiet(c: Any) -> Any:
 
 @pytest.mark.parametrize(("sections", "want"), [
     ({}, {"kind": "memory"}),  # colocate
+    ({"rollout": {"engine": "vllm"}}, {"kind": "files"}),  # colocate: the server loads each version's files
+    ({"rollout": {"engine": "sglang"}, "weights": {"transport": {"kind": "files"}}}, {"kind": "files"}),
     ({"mode": "fully_async"}, {"kind": "process_group", "backend": "auto", "files_every_s": 10.0}),
     ({"mode": "fully_async", "rollout": {"engine": "sglang"}}, {"kind": "files"}),
     ({"mode": "fully_async", "rollout": {"engine": "vllm"}}, {"kind": "files"}),
@@ -81,7 +83,13 @@ def test_deprecated_keys_do_not_change_colocate() -> None:
 
 @pytest.mark.parametrize(("sections", "message"), [
     ({"mode": "colocate", "weights": {"transport": {"kind": "process_group"}}},
-     "weights.transport.kind=process_group: not a transport of mode colocate (use auto or memory)"),
+     "weights.transport.kind=process_group: not a transport of mode colocate (use auto or memory or files)"),
+    ({"mode": "colocate", "rollout": {"engine": "vllm"}, "weights": {"transport": {"kind": "memory"}}},
+     "weights.transport.kind=memory: rollout.engine=vllm generates in its own server process; in colocate it loads "
+     "each version's files (use files or auto)"),
+    ({"mode": "colocate", "weights": {"transport": {"kind": "files"}}},
+     "weights.transport.kind=files: in colocate the hf engine generates with the trainer's own weights (use memory "
+     "or auto)"),
     ({"mode": "fully_async", "weights": {"transport": {"kind": "memory"}}},
      "weights.transport.kind=memory: not a transport of mode fully_async"),
     ({"mode": "fully_async", "rollout": {"engine": "vllm"}, "weights": {"transport": {"kind": "process_group"}}},
@@ -119,7 +127,7 @@ def test_cli_refuses_a_transport_the_mode_cannot_use_and_warns_of_old_keys() -> 
     proc = cli("validate", str(DEMO), "--no-preflight", "--set", "weights.transport.kind=process_group", timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: weights.transport.kind=process_group: not a transport of mode colocate "
-                                   "(use auto or memory)"), proc.stderr
+                                   "(use auto or memory or files)"), proc.stderr
     proc = cli("validate", str(DEMO), "--no-preflight", "--set", "mode=fully_async", "--set",
                "weights.fast_path=off", timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -39,12 +39,24 @@ def server_gpus(local_rank: int, index: int, gpus_per_server: int, visible: list
     return chosen
 
 
-def _gpu_env(cfg: RecipeConfig, index: int) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` for a server on a GPU node (Slurm: from the task's local id)."""
+def colocate_gpu(device: str, visible: list[str]) -> str:
+    """The GPU (as ``CUDA_VISIBLE_DEVICES`` names it) of a colocate rank's trainer on ``device`` (``cuda`` or
+    ``cuda:N``, an index into the ``visible`` GPUs; all GPUs when none are named): its server shares it."""
+    idx = int(device.split(":", 1)[1]) if ":" in device else 0
+    if visible and idx >= len(visible):
+        raise UserError(f"the trainer is on {device} but this process sees only GPUs {','.join(visible)}")
+    return visible[idx] if visible else str(idx)
+
+
+def _gpu_env(cfg: RecipeConfig, index: int, device: str = "cuda") -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for a server on a GPU node (Slurm: from the task's local id; colocate: the GPU of
+    the rank's trainer, ``device``)."""
     import os
 
     gpus = cfg.rollout.server.gpus_per_server or cfg.rollout.server.tp_size
     visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g != ""]
+    if cfg.mode == "colocate" and gpus == 1:
+        return {"CUDA_VISIBLE_DEVICES": colocate_gpu(device, visible)}
     if not visible:
         return {}
     local = int(os.environ.get("SLURM_LOCALID", "0"))
@@ -109,10 +121,10 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
                         device="cpu" if device == "cpu" else "cuda", dtype=dtype,
                         max_model_len=_max_len(model_dir, cfg), seed=seed, eos_token_id=tokenizer.eos_token_id,
                         extra_server_args=dict(engine_args), newest=newest_snapshot(run_dir),
-                        events=events)
+                        events=events, sleep_level=sleep_level(cfg), gpu_memory_utilization=memory_share(cfg))
     server_cfg = cfg.rollout.server
     if device != "cpu":
-        env = {**_gpu_env(cfg, index), **server_cfg.env}
+        env = {**_gpu_env(cfg, index, device), **server_cfg.env}
         server_cfg = server_cfg.model_copy(update={"env": env})
     kind = cfg.rollout.engine
     if kind == "vllm":
@@ -124,6 +136,33 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
 
         return SGLangEngine(server_cfg, setup)
     raise ValueError(f"rollout.engine={kind!r} is not a server engine")
+
+
+COLOCATE_SLEEP_LEVEL = 2
+"""``rollout.server.sleep_level`` unset in colocate: the weights are discarded while the trainer trains (the next
+version is loaded on waking anyway, so a host copy would buy nothing)."""
+COLOCATE_MEMORY_SHARE = 0.5
+"""``rollout.server.gpu_memory_utilization`` unset in colocate: the server's share of the GPU (verl's default)."""
+
+
+def sleep_level(cfg: RecipeConfig) -> int:
+    """How deep a server of this recipe sleeps while the trainer trains (0 = never: fully_async, or set so)."""
+    from relax_hpc.config.schema import ServerRolloutBase
+
+    if cfg.mode != "colocate" or not isinstance(cfg.rollout, ServerRolloutBase):
+        return 0
+    level = cfg.rollout.server.sleep_level
+    return COLOCATE_SLEEP_LEVEL if level is None else int(level)
+
+
+def memory_share(cfg: RecipeConfig) -> float | None:
+    """The server's share of its GPU's memory (None: the engine's default)."""
+    from relax_hpc.config.schema import ServerRolloutBase
+
+    if not isinstance(cfg.rollout, ServerRolloutBase):
+        return None
+    share = cfg.rollout.server.gpu_memory_utilization
+    return COLOCATE_MEMORY_SHARE if share is None and cfg.mode == "colocate" else share
 
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

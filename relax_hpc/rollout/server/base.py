@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -114,6 +115,11 @@ class ServerSetup:
     """The newest complete snapshot (a restarted server is brought to it); None = the last one received."""
     events: Any = None
     """An :class:`relax_hpc.events.EventLog` for restarts, fallbacks and alerts (optional)."""
+    sleep_level: int = 0
+    """How deep the server will be put to sleep (``rollout.server.sleep_level`` in colocate; 0 = never): adapters
+    start it with what that needs (vLLM ``--enable-sleep-mode`` on a GPU, SGLang ``--enable-memory-saver``)."""
+    gpu_memory_utilization: float | None = None
+    """The server's share of its GPU's memory (None = the engine's default)."""
 
 
 @dataclass
@@ -179,6 +185,12 @@ class ServerEngine(RolloutEngine):
         self._closed = False
         self._start_dir: Path = setup.model_dir
         """The folder the next server start loads (a restart after a reload-by-restart starts on the snapshot)."""
+        self._asleep = 0
+        """The level the server sleeps at (0 = awake)."""
+        self._weights_awake = True
+        """Whether the weights' memory is back (a wake with ``weights_only``, or awake)."""
+        self._weights_gone = False
+        """A level-2 sleep discarded the weights' contents and no version was received since."""
 
     # ----------------------------------------------------------------------------------------- adapter hooks
     @abstractmethod
@@ -216,6 +228,19 @@ class ServerEngine(RolloutEngine):
     @abstractmethod
     async def _load_distributed(self, source: DistributedSource, version: int) -> None:
         """Receive the trainer's broadcast (the fast path); raise on any failure."""
+
+    async def _server_sleep(self, level: int) -> None:
+        """Put the server to sleep at ``level`` (1 or 2); adapters with :attr:`can_sleep` implement it."""
+        raise NotImplementedError(f"the {self.kind} engine cannot sleep")
+
+    async def _server_wake(self, part: str) -> None:
+        """Take memory back: ``weights``, ``rest`` (everything but the weights) or ``all``."""
+        raise NotImplementedError(f"the {self.kind} engine cannot sleep")
+
+    def build_problem(self, argv: list[str], env: dict[str, str]) -> str | None:
+        """What makes the server build in ``argv``'s environment unusable here (checked before the first start),
+        None when nothing is known to be wrong."""
+        return None
 
     def _on_start(self) -> None:
         """A new server process is up (first start or restart): forget per-server state (its weight-update group)."""
@@ -279,8 +304,13 @@ class ServerEngine(RolloutEngine):
                           log=s.log, record=s.record, env=self.server_env(),
                           startup_timeout_s=self.cfg.startup_timeout_s, stop_grace_s=self.cfg.stop_grace_s)
         self.server = ServerProcess(spec)
+        if self.stats.server_starts == 0:  # the first start: a server build that cannot run here is refused now
+            problem = await asyncio.to_thread(self.build_problem, argv, {**os.environ, **spec.env})
+            if problem is not None:
+                raise self.server.refuse(problem)
         self.server.start()
         took = await self.server.wait_ready(self._http())
+        self._asleep, self._weights_awake, self._weights_gone = 0, True, False  # a new server is awake
         self._on_start()
         version = await self._check_version()
         await self._on_ready()
@@ -341,7 +371,8 @@ class ServerEngine(RolloutEngine):
     async def health(self) -> EngineHealth:
         if self.server is None or not self.server.alive():
             return EngineHealth(ok=False, version=self.version, detail="server not running")
-        path = self.health_path if self._run_flag else (self.paused_health_path or self.health_path)
+        running = self._run_flag and not self._asleep
+        path = self.health_path if running else (self.paused_health_path or self.health_path)
         try:
             r = await self._http().get(self.url + path, timeout=10.0)
             ok = r.status_code == 200
@@ -389,6 +420,9 @@ class ServerEngine(RolloutEngine):
         prefixes = request.prefixes or [None] * sp.n
         if len(prefixes) != sp.n:
             raise ValueError(f"request {request.request_id}: {len(prefixes)} prefixes for n={sp.n}")
+        if self._asleep:
+            raise ServerError(f"{self.kind} server {self.setup.name} is asleep (level {self._asleep}): wake() it "
+                              "before generating")
         await self.ensure_started()
         if self.batch_n and request.prefixes is None and sp.n > 1 and sp.temperature > 0:  # one request, n samples
             ids = _server_prompt(request)
@@ -521,9 +555,51 @@ class ServerEngine(RolloutEngine):
                                   f"{timeout_s or self.cfg.request_timeout_s:.0f} s")
             await asyncio.sleep(0.02)
 
+    # ----------------------------------------------------------------------------------------- sleep
+    async def sleep(self, level: int) -> None:
+        """The server frees its memory (see :meth:`RolloutEngine.sleep`); nothing may be in flight."""
+        if not self.can_sleep:
+            raise NotImplementedError(f"the {self.kind} engine cannot sleep")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: 1 (weights kept in host memory) or 2 (weights discarded)")
+        await self.ensure_started()
+        if self._asleep:
+            return
+        if self._calls:
+            raise ServerError(f"{self.kind} server {self.setup.name}: cannot sleep with {len(self._calls)} requests "
+                              "in flight")
+        await self._control(lambda: self._sleep_op(level))
+        self.stats.extra["sleeps"] = self.stats.extra.get("sleeps", 0.0) + 1
+
+    async def _sleep_op(self, level: int) -> None:
+        await self._server_sleep(level)
+        self._asleep, self._weights_awake, self._weights_gone = level, False, level == 2
+
+    async def wake(self, *, weights_only: bool = False) -> None:
+        """Take the memory back (see :meth:`RolloutEngine.wake`); after a level-2 sleep a version must be received
+        between ``wake(weights_only=True)`` and ``wake()``. A server restarted meanwhile is awake: nothing to do."""
+        if not self._asleep or (weights_only and self._weights_awake):
+            return
+        if not weights_only and self._weights_gone:
+            raise ServerError(f"{self.kind} server {self.setup.name}: the level-2 sleep discarded its weights; "
+                              "receive a version between wake(weights_only=True) and wake()")
+        part = "weights" if weights_only else ("rest" if self._weights_awake else "all")
+        await self._control(lambda: self._wake_op(part, weights_only))
+
+    async def _wake_op(self, part: str, weights_only: bool) -> None:
+        if not self._asleep:  # restarted by _control: a new server is awake
+            return
+        await self._server_wake(part)
+        self._weights_awake = True
+        if not weights_only:
+            self._asleep = 0
+
     # ----------------------------------------------------------------------------------------- weights
     async def receive(self, version: int, source: WeightSource) -> None:
         await self.ensure_started()
+        if self._asleep and not self._weights_awake:
+            raise ServerError(f"{self.kind} server {self.setup.name} is asleep: wake(weights_only=True) before "
+                              "receiving weights")
         t0 = time.perf_counter()
         if isinstance(source, SnapshotFolder):
             await self._receive_folder(version, source)
@@ -536,6 +612,7 @@ class ServerEngine(RolloutEngine):
             raise TypeError(f"{self.kind} engine: unsupported weight source {type(source).__name__} "
                             "(a server loads a SnapshotFolder or a DistributedSource)")
         self.version = version
+        self._weights_gone = False
         self.stats.weight_updates += 1
         self.stats.weight_update_s = time.perf_counter() - t0
 

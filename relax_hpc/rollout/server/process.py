@@ -63,6 +63,34 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+START_FAILURES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("Free memory on device", "GPU memory utilization"),
+     "not enough free GPU memory for the server's share (rollout.server.gpu_memory_utilization; in colocate the "
+     "trainer holds the rest): lower the share, or free the GPU"),
+    (("Available memory on node", "less than"),
+     "not enough free host memory for the CPU server (vLLM's --gpu-memory-utilization / VLLM_CPU_KVCACHE_SPACE)"),
+    (("Not enough memory. Please try to increase --mem-fraction-static",),
+     "the server's share of GPU memory leaves no room for its KV cache (rollout.server.gpu_memory_utilization)"),
+    (("CUDA out of memory",), "out of GPU memory at start (rollout.server.gpu_memory_utilization)"),
+    (("undefined symbol",),
+     "its compiled extensions do not match the installed torch (an 'undefined symbol' at import: install the "
+     "server build made for this torch)"),
+)
+"""Known causes of a server that exits at start: (substrings all found in one line of its log, what it means). The
+texts are the servers' own: vLLM 0.32 ``v1/worker/utils.py`` (GPU) and ``v1/worker/cpu_worker.py`` (CPU), SGLang
+0.5.10 ``model_executor/model_runner_kv_cache_mixin.py``; a dynamic loader's ``undefined symbol`` is what a build
+compiled against another torch raises."""
+
+
+def start_failure_cause(tail: str) -> str | None:
+    """The known cause (:data:`START_FAILURES`) a server log's last lines show, None when none."""
+    for line in reversed(tail.splitlines()):
+        for needles, cause in START_FAILURES:
+            if all(n in line for n in needles):
+                return cause
+    return None
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         import ctypes
@@ -108,6 +136,13 @@ class ServerProcess:
         body = f"\n--- last {LOG_TAIL_LINES} lines of {self.spec.log} ---\n{tail}" if tail else ""
         return ServerStartError(f"inference server {self.spec.name}: {what} (server log: {self.spec.log}){body}")
 
+    def refuse(self, problem: str) -> ServerStartError:
+        """The error for a server not started because of ``problem`` (written to its log too)."""
+        self.spec.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.spec.log, "a") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} not started: {problem}\n")
+        return self._fail(f"not started: {problem}")
+
     def start(self) -> None:
         s = self.spec
         if port_in_use(s.port, s.host):
@@ -147,7 +182,8 @@ class ServerProcess:
         while True:
             if not self.alive():
                 code = self.proc.returncode if self.proc else None
-                raise self._fail(f"the server exited at start (exit code {code})")
+                cause = start_failure_cause(log_tail(s.log, 200))
+                raise self._fail(f"the server exited at start (exit code {code})" + (f": {cause}" if cause else ""))
             try:
                 r = await client.get(self.url + s.health_path, timeout=5.0)
                 if r.status_code == 200:

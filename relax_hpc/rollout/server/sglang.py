@@ -21,6 +21,11 @@ Endpoints used, with the fields sent (nothing else):
   ``weight_version``), fired before the trainer broadcasts that bucket; its reply comes after the broadcast. A
   restarted server has no group (an update without one fails an assert that kills SGLang), so the group is
   initialised again; after a failure of the fast path the group is released (``/destroy_weights_update_group``).
+* sleep (colocate): ``POST /release_memory_occupation`` (every tag; SGLang asserts the scheduler is idle, so only
+  between steps), then ``POST /resume_memory_occupation`` with ``tags: [weights]``, the new weights (files, above),
+  ``tags: [kv_cache, cuda_graph]`` (``managers/scheduler_update_weights_mixin.py``). The server is started with
+  ``--enable-memory-saver`` (without it both calls free nothing), at level 1 also ``--enable-weights-cpu-backup``
+  (the weights come back from host memory; at level 2 their contents are gone until the new ones are loaded).
 * ``GET /health`` (a one-token generation, which waits while generation is paused: while paused ``GET /model_info``
   tells whether the server answers), ``GET /server_info`` (``version``, read and checked at start).
 
@@ -48,6 +53,7 @@ SGLANG_MODULE = "sglang.launch_server"
 
 class SGLangEngine(ServerEngine):
     kind = "sglang"
+    can_sleep = True
     health_path = "/health"
     paused_health_path = "/model_info"  # answered by the HTTP process, no generation
     version_path = "/server_info"
@@ -87,6 +93,10 @@ class SGLangEngine(ServerEngine):
                 "--random-seed", str(s.seed), "--weight-version", str(s.version), "--skip-server-warmup"]
         if model_dir != s.model_dir:
             args += ["--tokenizer-path", str(s.model_dir)]
+        if s.sleep_level:  # torch_memory_saver regions; weights kept in host memory only at level 1
+            args += ["--enable-memory-saver"] + (["--enable-weights-cpu-backup"] if s.sleep_level == 1 else [])
+        if s.gpu_memory_utilization is not None:
+            args += ["--mem-fraction-static", str(s.gpu_memory_utilization)]
         for key, value in s.extra_server_args.items():
             flag = "--" + key.replace("_", "-")
             args += [flag] if value is True else ([] if value is False else [flag, str(value)])
@@ -152,6 +162,16 @@ class SGLangEngine(ServerEngine):
 
     async def _server_resume(self) -> None:
         await self._json("POST", "/continue_generation", json={})
+
+    # ----------------------------------------------------------------------------------------- sleep
+    async def _server_sleep(self, level: int) -> None:
+        # every tag (weights, kv_cache, cuda_graph); whether the weights survive is fixed at start (level 1:
+        # --enable-weights-cpu-backup)
+        await self._json("POST", "/release_memory_occupation", json={})
+
+    async def _server_wake(self, part: str) -> None:
+        tags = {"weights": ["weights"], "rest": ["kv_cache", "cuda_graph"], "all": None}[part]
+        await self._json("POST", "/resume_memory_occupation", json={} if tags is None else {"tags": tags})
 
     # ----------------------------------------------------------------------------------------- weights
     async def _load_folder(self, path: Path, version: int) -> None:

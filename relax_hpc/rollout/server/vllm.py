@@ -20,6 +20,13 @@ Endpoints (the server runs with ``VLLM_SERVER_DEV_MODE=1``, which serves the RL 
   are loaded. Its backends (``nccl``, ``ipc``, ...) need CUDA, so on a CPU build the fast path fails and the engine
   falls back to the files (an event says so). The trainer's end is :mod:`relax_hpc.weights.vllm_transfer`.
 * ``GET /version`` (read and checked at start).
+* sleep (colocate): ``POST /sleep?level=1|2`` (vLLM pauses its scheduler, aborting nothing here: colocate sleeps
+  between steps, with nothing in flight), then ``POST /wake_up?tags=weights``, the new weights (files, above),
+  ``POST /wake_up?tags=kv_cache``. On a GPU the server is started with ``--enable-sleep-mode`` (level 1 offloads the
+  weights to host memory, level 2 discards them; ``gpu_worker.py``, ``sleep``/``wake_up``). vLLM's CPU build refuses
+  that flag (``config/model.py``: the CPU platform has no sleep mode) and its worker ignores sleep
+  (``v1/worker/cpu_worker.py``: "sleep mode is not supported on CPU, ignore it"): there ``/sleep`` and ``/wake_up``
+  only pause and resume the scheduler and free no memory.
 
 vLLM's CPU backend does not refresh the output projection of a *tied* model (``tie_word_embeddings``) on an in-place
 reload: the lm_head keeps the old embedding. The engine therefore checks the tie at start; for tied models on the CPU
@@ -58,6 +65,7 @@ def default_vllm_python() -> str:
 
 class VLLMEngine(ServerEngine):
     kind = "vllm"
+    can_sleep = True
     health_path = "/health"
     version_path = "/version"
     checked_versions = ">=0.32,<0.33"
@@ -87,7 +95,15 @@ class VLLMEngine(ServerEngine):
             args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
         if self._cpu:
             args += ["--gpu-memory-utilization", "0.1"]  # on the CPU: the share of host memory reserved
+        else:
+            if s.gpu_memory_utilization is not None:
+                args += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+            if s.sleep_level:  # the CPU build refuses the flag (its platform has no sleep mode) and ignores /sleep
+                args += ["--enable-sleep-mode"]
         return args
+
+    def build_problem(self, argv: list[str], env: dict[str, str]) -> str | None:
+        return torch_pin_problem(argv, env)
 
     def server_env(self) -> dict[str, str]:
         env = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -188,6 +204,14 @@ class VLLMEngine(ServerEngine):
     async def _server_resume(self) -> None:
         await self._json("POST", "/resume")
 
+    # ----------------------------------------------------------------------------------------- sleep
+    async def _server_sleep(self, level: int) -> None:
+        await self._json("POST", "/sleep", params={"level": level})
+
+    async def _server_wake(self, part: str) -> None:
+        tags = {"weights": ["weights"], "rest": ["kv_cache"], "all": []}[part]  # none = every tag
+        await self._json("POST", "/wake_up", params={"tags": tags} if tags else None)
+
     # ----------------------------------------------------------------------------------------- weights
     async def _load_folder(self, path: Path, version: int) -> None:
         if self._cpu and self._tied():
@@ -267,6 +291,53 @@ class VLLMEngine(ServerEngine):
         self._transfer = g
 
 
+_PIN_SCRIPT = r"""
+import importlib.metadata as md, json
+from packaging.requirements import Requirement
+out = {}
+try:
+    dist = (md.packages_distributions().get("vllm") or ["vllm"])[0]
+    out["dist"], out["vllm"] = dist, md.version(dist)
+    pins = [Requirement(r) for r in (md.requires(dist) or [])]
+    pins = [r for r in pins if r.name == "torch" and (r.marker is None or r.marker.evaluate({"extra": ""}))]
+    out["pin"] = str(pins[0].specifier) if pins else None
+    out["torch"] = md.version("torch")
+except md.PackageNotFoundError:
+    pass
+print(json.dumps(out))
+"""
+
+
+def torch_pin_problem(argv: list[str], env: dict[str, str], timeout_s: float = 60.0) -> str | None:
+    """The vLLM build in the server's Python pins a torch its environment does not have (vLLM wheels pin one exact
+    torch: 0.26 ``torch==2.11.0``; a build against another fails at import with undefined symbols, or later). Read
+    from the installed metadata, nothing imported; None when the command is not ``<python> -m ...`` or nothing is
+    known to be wrong."""
+    import subprocess
+
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    if len(argv) < 3 or not Path(argv[0]).name.startswith("python") or argv[1] != "-m":
+        return None
+    try:
+        got = subprocess.run([argv[0], "-c", _PIN_SCRIPT], env=env, capture_output=True, text=True,
+                             timeout=timeout_s)
+        info = json.loads(got.stdout.strip().splitlines()[-1]) if got.returncode == 0 and got.stdout.strip() else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None  # the start itself will say what is wrong with that Python
+    pin, torch = info.get("pin"), info.get("torch")
+    if not pin or not torch:
+        return None
+    try:
+        if SpecifierSet(pin).contains(Version(torch), prereleases=True):
+            return None
+    except (InvalidSpecifier, InvalidVersion):
+        return None
+    return (f"the vLLM build does not match the installed torch: {info['dist']} {info['vllm']} requires "
+            f"torch{pin}, {argv[0]} has torch {torch} (install the vLLM release built for this torch)")
+
+
 def parallel_ranks(info: Any) -> int:
     """DP x TP x PP in a ``/server_info?config_format=json`` reply."""
     conf = info.get("vllm_config") if isinstance(info, dict) else None
@@ -277,4 +348,5 @@ def parallel_ranks(info: Any) -> int:
         int(par.get("pipeline_parallel_size") or 1)
 
 
-__all__ = ["ServerGone", "VLLMEngine", "default_vllm_python", "parallel_ranks", "vllm_venv_python"]
+__all__ = ["ServerGone", "VLLMEngine", "default_vllm_python", "parallel_ranks", "torch_pin_problem",
+           "vllm_venv_python"]

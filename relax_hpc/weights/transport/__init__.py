@@ -7,8 +7,11 @@ kind               where                path
 ``files``          fully_async          snapshot files only
 ``process_group``  fully_async, ``hf``  trainer rank 0 -> each worker over a process group (:mod:`.process_group`)
 ``server``         fully_async, server  trainer rank 0 -> each worker's servers (:mod:`.server`)
-``memory``         colocate             the engine in the trainer's process, in memory (:mod:`.memory`)
-``auto``           any                  ``memory`` in colocate; ``process_group`` for ``hf``, else ``files``
+``memory``         colocate, ``hf``     the engine in the trainer's process, in memory (:mod:`.memory`)
+``files``          colocate, server     each version's snapshot files, loaded by the server between steps
+                                        (:class:`.files.EngineFilesSender`)
+``auto``           any                  colocate: ``memory`` for ``hf``, ``files`` for a server engine;
+                                        fully_async: ``process_group`` for ``hf``, else ``files``
 =================  ===================  =========================================================================
 
 Deprecated keys, translated with a warning (:func:`resolve`): ``weights.fast_path: off`` -> ``files``, ``auto`` or
@@ -51,7 +54,7 @@ log = logging.getLogger(__name__)
 
 Transport = FilesTransport | ProcessGroupTransport | ServerTransport | MemoryTransport
 SERVER_ENGINES = ("sglang", "vllm")
-KINDS_BY_MODE = {"colocate": ("memory",), "fully_async": ("files", "process_group", "server")}
+KINDS_BY_MODE = {"colocate": ("memory", "files"), "fully_async": ("files", "process_group", "server")}
 DEPRECATED = (("weights", "fast_path", WeightSyncConfig), ("weights", "files_every_s", WeightSyncConfig),
               ("rollout.server", "weight_sync", ServerConfig))
 """The keys ``weights.transport`` replaces: (section, key, its schema class)."""
@@ -71,8 +74,9 @@ def _old_keys(cfg: RecipeConfig) -> list[str]:
 def _translate(cfg: RecipeConfig) -> Transport:
     """``auto`` (and the deprecated keys) -> the transport of this mode and engine."""
     w = cfg.weights
-    if "memory" in KINDS_BY_MODE.get(cfg.mode, ()):  # the engine lives in the trainer's process (colocate)
-        return MemoryTransport(kind="memory")
+    if cfg.mode == "colocate":  # the hf engine lives in the trainer's process; a server loads the files
+        server = isinstance(cfg.rollout, ServerRolloutBase)
+        return FilesTransport(kind="files") if server else MemoryTransport(kind="memory")
     if isinstance(cfg.rollout, ServerRolloutBase):
         distributed = cfg.rollout.server.weight_sync == "distributed"
         return ServerTransport(kind="server") if distributed else FilesTransport(kind="files")
@@ -115,6 +119,12 @@ def _check(cfg: RecipeConfig, kind: str) -> None:
         raise ConfigError(f"weights.transport.kind={kind}: not a transport of mode {cfg.mode} (use "
                           f"{' or '.join(('auto', *allowed))})")
     server = cfg.rollout.engine in SERVER_ENGINES
+    if cfg.mode == "colocate" and kind == "memory" and server:
+        raise ConfigError(f"weights.transport.kind=memory: rollout.engine={cfg.rollout.engine} generates in its own "
+                          "server process; in colocate it loads each version's files (use files or auto)")
+    if cfg.mode == "colocate" and kind == "files" and not server:
+        raise ConfigError("weights.transport.kind=files: in colocate the hf engine generates with the trainer's own "
+                          "weights (use memory or auto)")
     if kind == "process_group" and server:
         raise ConfigError(f"weights.transport.kind=process_group: rollout.engine={cfg.rollout.engine} is a server "
                           "engine; use server or files")
@@ -127,7 +137,7 @@ def make_sender(cfg: RecipeConfig, session: TrainerSession, *, run_dir: RunDir, 
                 engine: RolloutEngine | None = None, call: Callable[[Coroutine[Any, Any, Any]], Any] | None = None,
                 events: EventLog | None = None) -> WeightSender:
     """The trainer side of the recipe's transport (every trainer rank; rank 0 holds the links). ``engine`` and
-    ``call`` (run a coroutine on the engine's loop): the in-process engine of ``memory``."""
+    ``call`` (run a coroutine on the engine's loop): the colocate engine (``memory``; ``files`` for a server)."""
     from relax_hpc.weights.transport.files import FilesSender, SnapshotFiles
 
     t = resolve(cfg)
@@ -139,6 +149,12 @@ def make_sender(cfg: RecipeConfig, session: TrainerSession, *, run_dir: RunDir, 
         from relax_hpc.weights.transport.memory import MemorySender
 
         return MemorySender(files, engine, call, run_dir=run_dir, publish_every=every, events=events)
+    if isinstance(t, FilesTransport) and cfg.mode == "colocate":  # a server engine in this process
+        if engine is None or call is None:
+            raise ValueError("weights.transport=files in colocate needs the engine and its loop")
+        from relax_hpc.weights.transport.files import EngineFilesSender
+
+        return EngineFilesSender(files, engine, call, run_dir=run_dir, verify=cfg.weights.verify)
     if isinstance(t, FilesTransport):
         return FilesSender(files, publish_every=every)
     from relax_hpc.weights.transport.process_group import LinkSender

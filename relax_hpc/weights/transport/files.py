@@ -8,15 +8,17 @@ fast path); the files stay the truth for late joiners and recovery.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from relax_hpc.weights.transport.base import WeightReceiver, WeightSender
 
 if TYPE_CHECKING:
     from relax_hpc.events import EventLog
+    from relax_hpc.rollout.engine import RolloutEngine
     from relax_hpc.rollout.weight_sync import WeightSync
+    from relax_hpc.rundir import RunDir
     from relax_hpc.trainer.session import TrainerSession
 
 
@@ -88,6 +90,52 @@ class FilesSender(WeightSender):
     def send(self, version: int, *, final: bool = False) -> None:
         if self.due(version, final):
             self.files.submit(version, self.trainer.full_state_dict(copy=True), private=True)
+
+    def close(self) -> None:
+        self.files.close()
+
+
+class EngineFilesSender(WeightSender):
+    """Colocate with a server engine: every version is published as snapshot files (trainer rank 0; the step waits
+    for them) and the engine of this rank loads them into its server (SGLang ``update_weights_from_disk``, vLLM's
+    ``reload_weights``). Other ranks wait for the files (bounded) and load them into their own servers. The files
+    path works for every server on every machine; a path from the trainer's memory (vLLM's CUDA-IPC weight
+    transfer, GPU only) would be another transport of this seam."""
+
+    kind = "files"
+
+    def __init__(self, files: SnapshotFiles, engine: RolloutEngine, call: Callable[[Coroutine[Any, Any, Any]], Any],
+                 *, run_dir: RunDir, verify: Literal["sha256", "size"] = "sha256", wait_files_s: float = 600.0):
+        self.files = files
+        self.trainer = files.session.trainer
+        self.engine = engine
+        self.call = call
+        """Runs a coroutine of the engine on its event loop (the rollout driver's ``call``)."""
+        self.run_dir = run_dir
+        self.verify = verify
+        """How the engine checks a folder before its server reads it (``weights.verify``)."""
+        self.wait_files_s = wait_files_s
+
+    def start(self, version: int) -> None:
+        from relax_hpc.fsio import is_complete
+
+        if not is_complete(self.run_dir.snapshot(version)):  # a resumed run has its files; a new one writes them
+            self.files.submit(version, self.trainer.full_state_dict(copy=True), private=True)
+        self.deliver(version)
+
+    def send(self, version: int, *, final: bool = False) -> None:
+        self.files.submit(version, self.trainer.full_state_dict(copy=True), private=True)
+        self.deliver(version)
+
+    def deliver(self, version: int) -> None:
+        """Wait for ``version``'s files (rank 0: its own write), then the engine loads them."""
+        from relax_hpc.fsio import is_complete, wait_for
+        from relax_hpc.rollout.engine import SnapshotFolder
+
+        self.files.drain()  # re-raises a failed write
+        folder = self.run_dir.snapshot(version)
+        wait_for(lambda: is_complete(folder), what=f"the snapshot files of v{version}", timeout_s=self.wait_files_s)
+        self.call(self.engine.receive(version, SnapshotFolder(folder, verify=self.verify)))
 
     def close(self) -> None:
         self.files.close()
