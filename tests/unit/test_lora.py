@@ -58,10 +58,21 @@ def test_lora_with_megatron_is_refused_in_one_line() -> None:
                              "trainer.backend=megatron"), "model.lora", "megatron")
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_lora_with_a_server_engine_is_refused_in_one_line(engine: str) -> None:
+def test_lora_with_sglang_is_refused_in_one_line() -> None:
     assert_one_error(run_cli("validate", str(DEMO), "--set", "model.lora={rank: 8}", "--set",
-                             f"rollout.engine={engine}"), "model.lora", engine)
+                             "rollout.engine=sglang"), "model.lora", "sglang")
+
+
+@pytest.mark.parametrize(("lora", "needle"), [("{rank: 8, modules_to_save: [lm_head]}", "modules_to_save"),
+                                              ("{rank: 600}", "up to 512")])
+def test_lora_vllm_cannot_serve_is_refused_in_one_line(lora: str, needle: str) -> None:
+    assert_one_error(run_cli("validate", str(DEMO), "--set", f"model.lora={lora}", "--set",
+                             "rollout.engine=vllm"), "model.lora", needle)
+
+
+def test_lora_with_vllm_passes() -> None:
+    res = run_cli("validate", str(DEMO), "--set", "model.lora={rank: 8}", "--set", "rollout.engine=vllm")
+    assert res.rc == 0, res.err
 
 
 def test_a_valid_lora_section_passes() -> None:

@@ -115,6 +115,10 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
         env = {**_gpu_env(cfg, index), **server_cfg.env}
         server_cfg = server_cfg.model_copy(update={"env": env})
     kind = cfg.rollout.engine
+    if kind == "vllm" and cfg.model.lora is not None:
+        from relax_hpc.rollout.server.vllm_lora import VLLMLoraEngine
+
+        return VLLMLoraEngine(server_cfg, setup, lora=cfg.model.lora, keep=cfg.max_staleness + 1)
     if kind == "vllm":
         from relax_hpc.rollout.server.vllm import VLLMEngine
 
