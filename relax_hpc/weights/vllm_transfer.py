@@ -156,8 +156,7 @@ class VLLMServerLinks(ServerLinks):
 def vllm_links(run_dir: RunDir, cfg: RecipeConfig, *, device: str, events: Any = None) -> VLLMServerLinks | None:
     """The trainer's links to the vLLM servers, or None (one ``weight_sync_files`` event says why) where this
     environment cannot serve vLLM's weight transfer."""
-    why = "an adapter (model.lora) travels as its snapshot folder" if cfg.model.lora is not None else \
-        unavailable(device)
+    why = unavailable(device)
     if why is not None:
         if events is not None:
             events.event("weight_sync_files", f"rollout.server.weight_sync=distributed with the vllm engine: {why}; "

@@ -126,6 +126,8 @@ IO_STRUCT_0_5_10 = {  # endpoint -> fields of its request struct, in declaration
     "/destroy_weights_update_group": [*_BASE, "group_name"],
     "/update_weights_from_distributed": [*_BASE, "names", "dtypes", "shapes", "group_name", "flush_cache",
                                          "abort_all_requests", "weight_version", "load_format"],
+    "/load_lora_adapter": [*_BASE, "lora_name", "lora_path", "pinned", "lora_id"],
+    "/unload_lora_adapter": [*_BASE, "lora_name", "lora_id"],
 }
 SAMPLING_PARAMS_0_5_10 = [
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
@@ -138,7 +140,8 @@ STRUCTS = {"/generate": "GenerateReqInput", "/abort_request": "AbortReq",
            "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
            "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
            "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
-           "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput"}
+           "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+           "/load_lora_adapter": "LoadLoRAAdapterReqInput", "/unload_lora_adapter": "UnloadLoRAAdapterReqInput"}
 
 
 def read_io_struct(src: Path) -> dict[str, list[str]]:

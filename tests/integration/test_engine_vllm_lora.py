@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from relax_hpc.rollout.engine import GenerateRequest, SamplingParams, SnapshotFolder
 from relax_hpc.rollout.server.vllm import vllm_venv_python
 from relax_hpc.rundir import RunDir
-from tests.helpers.server_util import TINY, LoopThread, hf_greedy, hf_model, recompute_logprobs
+from tests.helpers.server_util import TINY, LoopThread, hf_greedy, hf_model, publish_adapter, recompute_logprobs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -60,30 +59,6 @@ def served(tmp_path_factory, loop):
     loop.run(engine.close(), timeout=60)
 
 
-def _publish(rd: RunDir, engine, cfg, version: int, seed: int) -> tuple[Path, object]:
-    """An adapter version (its ``lora_B`` made non-zero) published as the trainer does; (folder, the PEFT model)."""
-    import json
-
-    import torch
-
-    from relax_hpc.models.lora import adapter_config, adapter_state, apply_lora, base_identity
-    from relax_hpc.weights.publisher import SnapshotPublisher
-
-    base = hf_model(folder=engine.setup.model_dir)
-    ident = base_identity(base, "tiny")
-    peft = apply_lora(base, cfg.model.lora)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    conf = json.loads((engine.setup.model_dir / "config.json").read_text())
-    folder = SnapshotPublisher(rd, keep_last=10).publish(
-        adapter_state(peft), version, version, model_config=conf,
-        adapter={"config": adapter_config(peft), "base": ident})
-    return folder, peft.eval()
-
-
 def _greedy(loop, engine, rid: str, n: int = 20):
     req = GenerateRequest(request_id=rid, prompt_ids=PROMPT, sampling=SamplingParams(temperature=0.0,
                                                                                    max_new_tokens=n))
@@ -101,7 +76,7 @@ def test_requests_name_the_adapter_of_the_version_and_match_peft(served, loop):
     base = _greedy(loop, engine, "b0")
     assert base.token_ids.tolist() == hf_greedy(hf_model(folder=engine.setup.model_dir), PROMPT, 20,
                                                 tok.eos_token_id)
-    folder, peft = _publish(rd, engine, cfg, 1, seed=1)
+    folder, peft = publish_adapter(rd, engine.setup.model_dir, cfg.model.lora, 1, seed=1)
     want = hf_greedy(peft, PROMPT, 20, tok.eos_token_id)
     assert want != base.token_ids.tolist(), "the adapter should change the greedy output"
     t0 = time.perf_counter()
@@ -116,7 +91,7 @@ def test_requests_name_the_adapter_of_the_version_and_match_peft(served, loop):
 def test_versions_beyond_max_staleness_plus_one_are_unloaded(served, loop):
     engine, rd, cfg, tok = served
     for v in (2, 3):
-        folder, peft = _publish(rd, engine, cfg, v, seed=v)
+        folder, peft = publish_adapter(rd, engine.setup.model_dir, cfg.model.lora, v, seed=v)
         loop.run(engine.receive(v, SnapshotFolder(folder)))
     assert engine.loaded == ["v000002", "v000003"]
     models = _served_models(loop, engine)

@@ -22,16 +22,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from relax_hpc.config.model import LoraConfig
+from relax_hpc.models.lora import adapter_name
 from relax_hpc.rollout.server.base import ServerConfig, ServerSetup
 from relax_hpc.rollout.server.vllm import SERVED_NAME, VLLMEngine
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """``--max-lora-rank`` values vLLM 0.32 takes (``vllm/config/lora.py``, ``MaxLoRARanks``)."""
-
-
-def adapter_name(version: int) -> str:
-    """The name an adapter version is loaded under (its snapshot folder's name)."""
-    return f"v{version:06d}"
 
 
 def max_lora_rank(rank: int) -> int:
