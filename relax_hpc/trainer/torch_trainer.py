@@ -64,7 +64,7 @@ class TorchBackend(TrainerBackend):
         self.base: dict[str, str] | None = None
         """With ``model.lora``: the base model's path and weights' sha256 (named in every adapter snapshot)."""
         hf_module = model
-        if self.lora:
+        if cfg.model.lora is not None:
             from relax_hpc.models.lora import apply_lora, base_identity
 
             self.base = base_identity(model, cfg.model.path)
