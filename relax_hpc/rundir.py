@@ -38,6 +38,7 @@ Layout::
       STATUS.json                   the run's final state (completed / failed), written when it ends
       slurm/                        sbatch scripts, submitit folders, jobs.json
       export/                       the final model in HF format
+      exports/vNNNNNN[-merged]/     snapshots written as HF folders by `relax-hpc export` (-merged: LoRA merged in)
 """
 
 from __future__ import annotations
@@ -338,6 +339,11 @@ class RunDir:
     @property
     def export(self) -> Path:
         return self.root / "export"
+
+    def exported(self, version: int, *, merged: bool = False) -> Path:
+        """Where ``relax-hpc export`` writes snapshot ``version`` as an HF folder (``merged``: a LoRA adapter merged
+        into its base)."""
+        return self.root / "exports" / f"v{version:06d}{'-merged' if merged else ''}"
 
     # ---------------------------------------------------------------- lifecycle
     _FOLDERS = ("samples/shards", "samples/announce", "samples/tmp", "samples/quarantine", "samples/consumers",

@@ -2,6 +2,7 @@
 
   python tools/lora_figures.py sizes [--rank 16]   # adapter snapshot vs full snapshot bytes, Qwen3-0.6B shape
   python tools/lora_figures.py decode              # hf engine decode: PEFT modules vs the adapter merged (tiny demo)
+  python tools/lora_figures.py warmup RECIPE [--set KEY=VALUE ...]   # the supervised warm-up's final loss alone
 
 ``sizes`` builds the Qwen3-0.6B shape from its config on the meta device (no download, no weights), counts the full
 snapshot's bytes (bfloat16, the tied embedding once) and publishes a real adapter snapshot (zeros of the adapter's
@@ -99,12 +100,41 @@ def decode() -> None:
     print(f"merging one adapter version: {t_merge * 1e3:.1f} ms")
 
 
+def warmup(recipe: str, overrides: list[str]) -> None:
+    """The recipe's supervised warm-up (``warmup`` section) alone, on the trainer backend it builds (``model.lora``
+    included): its final loss, the quick check of a LoRA setting before an RL run."""
+    import torch
+
+    from relax_hpc.algorithms import registry
+    from relax_hpc.config.load import load_recipe
+    from relax_hpc.models.load import load_model, load_tokenizer
+    from relax_hpc.modes.components import seed_everything
+    from relax_hpc.modes.trainer_role import warmup_stream
+    from relax_hpc.trainer.backend import make_backend
+
+    cfg = load_recipe(recipe, overrides)
+    seed_everything(cfg.seed)  # as the trainer role does: the adapters' random init
+    tok = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, tok, device="cpu", dtype=torch.float32)
+    be = make_backend(cfg, rank=0, world_size=1, device="cpu", dtype=torch.float32,
+                      algorithm=registry.get_algorithm(cfg.algorithm.name), tokenizer=tok, model=model)
+    w = cfg.warmup
+    m = be.sft_warmup(warmup_stream(cfg, tok), tok, steps=w.steps, lr=w.lr, batch_size=w.batch_size,
+                      max_tokens=cfg.trainer.micro_batch_tokens)
+    print(f"warm-up: {w.steps} steps, lr {w.lr}, final loss {m['warmup/loss']:.3f} ({' '.join(overrides)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["sizes", "decode"])
+    ap.add_argument("what", choices=["sizes", "decode", "warmup"])
+    ap.add_argument("recipe", nargs="?", default=str(ROOT / "recipes" / "demo.yaml"))
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     a = ap.parse_args()
-    sizes(a.rank) if a.what == "sizes" else decode()
+    if a.what == "warmup":
+        warmup(a.recipe, a.overrides)
+    else:
+        sizes(a.rank) if a.what == "sizes" else decode()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("relax_hpc.cli.sweep", "submit a hyper-parameter grid as one job array"),
     "sweep-status": ("relax_hpc.cli.sweep_status", "table of final metrics per sweep combination"),
     "eval": ("relax_hpc.cli.eval", "evaluate a run's stored weight snapshots on its held-out set"),
+    "export": ("relax_hpc.cli.export", "write a run's weight snapshot as an HF model folder (LoRA: --merge)"),
     "data": ("relax_hpc.cli.data", "list or make the data sets of the shipped recipes"),
     "bench": ("relax_hpc.cli.bench", "benchmarks that print figures beside a peer (docs/benchmarks.md)"),
     "role": ("relax_hpc.cli.role", "run one role of a run (what the launcher starts on each node)"),

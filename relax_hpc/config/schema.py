@@ -177,9 +177,12 @@ class RecipeConfig(Section):
         if self.model.lora is not None and self.trainer.backend != "torch":
             raise ValueError(f"model.lora: trainer.backend {self.trainer.backend} does not train LoRA adapters; use "
                              "trainer.backend: torch, or drop model.lora")
-        if self.model.lora is not None and self.rollout.engine != "hf":
-            raise ValueError(f"model.lora: rollout.engine {self.rollout.engine} does not load LoRA adapters yet; use "
-                             "rollout.engine: hf, or drop model.lora")
+        lora, engine = self.model.lora, self.rollout.engine
+        if lora is not None and engine in ("vllm", "sglang") and lora.modules_to_save:
+            raise ValueError(f"model.lora.modules_to_save {lora.modules_to_save}: the {engine} engine serves "
+                             "adapters only (no module trained fully); drop them or use rollout.engine: hf")
+        if lora is not None and engine == "vllm" and lora.rank > 512:
+            raise ValueError(f"model.lora.rank {lora.rank}: vLLM serves ranks up to 512")
         return self
 
     @model_validator(mode="after")

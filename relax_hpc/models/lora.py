@@ -93,6 +93,11 @@ def _byte_dtype() -> Any:
     return torch.uint8
 
 
+def adapter_name(version: int) -> str:
+    """The name a server engine loads adapter version ``version`` under (its snapshot folder's name)."""
+    return f"v{version:06d}"
+
+
 ADAPTER_PREFIX = "base_model.model."
 """Every tensor name of an adapter's state (PEFT's file names) starts with this."""
 

@@ -63,17 +63,18 @@ class TorchBackend(TrainerBackend):
         """Training low-rank adapters (``model.lora``): ``model`` becomes a ``PeftModel`` around the same module."""
         self.base: dict[str, str] | None = None
         """With ``model.lora``: the base model's path and weights' sha256 (named in every adapter snapshot)."""
-        if self.lora:
-            from relax_hpc.errors import UserError
+        hf_module = model
+        if cfg.model.lora is not None:
             from relax_hpc.models.lora import apply_lora, base_identity
 
-            if world_size > 1:
-                raise UserError("model.lora: one trainer rank only for now (trainer.num_ranks: 1)")
             self.base = base_identity(model, cfg.model.path)
             model = apply_lora(model, cfg.model.lora)
         self.model = model
-        if world_size > 1:
-            self.model = _fully_shard(model)
+        self._trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        """The names of the parameters the optimizer updates (with ``model.lora``: the adapters and
+        ``modules_to_save``)."""
+        if world_size > 1:  # with model.lora the frozen base is sharded too; only the adapters have gradients
+            self.model = _fully_shard(model, hf_module)
         self.model.train()
         t = cfg.trainer
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=t.lr,
@@ -337,6 +338,11 @@ class TorchBackend(TrainerBackend):
             from relax_hpc.models.lora import adapter_state
 
             return {k: v.clone() for k, v in adapter_state(self.model).items()} if copy else adapter_state(self.model)
+        if self.lora:  # FSDP: the trained parameters gathered (every rank calls), rank 0 names them as PEFT does
+            from peft import get_peft_model_state_dict
+
+            trained = self._trained_full()
+            return get_peft_model_state_dict(self.model, state_dict=trained) if self.rank == 0 else {}
         if self.world_size == 1:
             sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
             return self.detached(sd) if copy else sd
@@ -345,7 +351,7 @@ class TorchBackend(TrainerBackend):
     def state_buckets(self, bucket_bytes: int) -> Any:
         """Buckets of whole tensors; under FSDP one parameter is gathered at a time (every rank), so no rank holds
         more than a bucket of the full model beside its shard."""
-        if self.world_size == 1:
+        if self.world_size == 1 or self.lora:  # an adapter is small: gathered at once (full_state_dict)
             yield from super().state_buckets(bucket_bytes)
             return
         bucket: dict[str, Any] = {}
@@ -398,6 +404,9 @@ class TorchBackend(TrainerBackend):
         return self._copier.copy(self.model, self.optimizer if optimizer else None)
 
     def export_hf(self, path: Path | str, tokenizer: Any) -> None:
+        if self.lora and self.world_size > 1:  # FSDP: the adapter gathered (every rank), rank 0 writes PEFT's files
+            self._export_adapter(Path(path), tokenizer)
+            return
         if self.lora:  # the adapter folder (PEFT's files); merged into the base by a later export
             Path(path).mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(path)
@@ -413,13 +422,40 @@ class TorchBackend(TrainerBackend):
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
 
+    def _export_adapter(self, path: Path, tokenizer: Any) -> None:
+        import json
+
+        from safetensors.torch import save_file
+
+        from relax_hpc.models.lora import adapter_config
+
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(adapter_config(self.model), indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.lora and self.world_size == 1:  # the adapter (and modules_to_save) and their optimizer state
             from relax_hpc.models.lora import trainable_state
 
             return trainable_state(self.model), self.full_optimizer_state()
+        if self.lora:  # FSDP: the same, gathered
+            return self._trained_full(), self.full_optimizer_state()
         return self.full_state_dict(), self.full_optimizer_state()
+
+    def _trained_full(self) -> dict[str, Any]:
+        """FSDP: the trained parameters (adapters, ``modules_to_save``) unsharded on rank 0's CPU under the module's
+        names; every rank calls."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                       ignore_frozen_params=True))
+        return {k: v for k, v in sd.items() if k in self._trained}  # a tied output layer is listed, though frozen
 
     def load_checkpoint_state(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None) -> None:
         if self.lora and self.world_size == 1:
@@ -447,7 +483,7 @@ class TorchBackend(TrainerBackend):
             set_optimizer_state_dict,
         )
 
-        opts = StateDictOptions(full_state_dict=True)
+        opts = StateDictOptions(full_state_dict=True, strict=not self.lora)  # lora: the trained parameters only
         if self.world_size == 1:  # copied into the live parameters, on their device (the generic path may put
             self.model.load_state_dict(model_sd)  # the checkpoint's CPU tensors in their place)
         else:
@@ -494,11 +530,12 @@ def _with_keys(d: dict[str, float], keys: list[str]) -> dict[str, float]:
     return {**{k: 0.0 for k in keys}, **d}
 
 
-def _fully_shard(model: Any) -> Any:
-    """FSDP2: shard each decoder layer, then the root."""
+def _fully_shard(model: Any, hf_module: Any) -> Any:
+    """FSDP2: shard each decoder layer of ``hf_module`` (the HF model; ``model`` itself, or the module a PEFT model
+    wraps), then the root ``model``."""
     from torch.distributed.fsdp import fully_shard
 
-    layers = getattr(getattr(model, "model", model), "layers", [])
+    layers = getattr(getattr(hf_module, "model", hf_module), "layers", [])
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)

@@ -78,3 +78,28 @@ def hf_greedy(model: Any, prompt: list[int], n: int, eos: int) -> list[int]:
                              pad_token_id=0)
     toks = out[0, len(prompt):].tolist()
     return toks[:toks.index(eos) + 1] if eos in toks else toks
+
+
+def publish_adapter(rd: Any, model_dir: Path, lora: Any, version: int, seed: int) -> tuple[Path, Any]:
+    """A LoRA adapter version (``lora``: a ``model.lora`` section) on the HF model in ``model_dir``, its ``lora_B``
+    made non-zero, published into run dir ``rd`` as the trainer publishes one; (folder, the PEFT model, eval mode)."""
+    import json
+
+    import torch
+
+    from relax_hpc.models.lora import adapter_config, adapter_state, apply_lora, base_identity
+    from relax_hpc.weights.publisher import SnapshotPublisher
+
+    base = hf_model(folder=model_dir)
+    ident = base_identity(base, str(model_dir))
+    peft = apply_lora(base, lora)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    conf = json.loads((model_dir / "config.json").read_text())
+    folder = SnapshotPublisher(rd, keep_last=10).publish(
+        adapter_state(peft), version, version, model_config=conf,
+        adapter={"config": adapter_config(peft), "base": ident})
+    return folder, peft.eval()

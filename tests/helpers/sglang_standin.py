@@ -47,6 +47,17 @@ below names the SGLang 0.5.10 source it follows (read from the ``sglang-0.5.10``
 * ``/server_info`` and ``/get_server_info`` report the server arguments and ``version`` (``http_server.py``,
   ``server_info``); the stand-in reports 0.5.10 (``SGLANG_STANDIN_VERSION`` overrides it, for tests).
 
+* LoRA (``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``; without ``--lora-paths`` both are required
+  at start, ``server_args.py``): ``/load_lora_adapter`` (``lora_name``, ``lora_path``: a PEFT adapter folder) and
+  ``/unload_lora_adapter`` (``lora_name``) answer ``LoRAUpdateOutput`` (``success``, ``error_message``,
+  ``loaded_adapters``), HTTP 400 when ``success`` is false (``http_server.py``); refused: LoRA not enabled, a name
+  already loaded, a rank above ``--max-lora-rank`` or a target outside ``--lora-target-modules``
+  (``lora/lora_manager.py``, ``validate_new_adapter``), unloading a name not loaded (``lora/lora_registry.py``,
+  ``unregister``). An unload waits for the requests using that adapter (``wait_for_unload``). ``/generate``'s
+  ``lora_path`` names a loaded adapter *by its name*; a name loaded once and unloaded since is loaded again from its
+  path, a name never loaded is 400 (``tokenizer_manager.py``, ``_resolve_lora_path``); without ``--enable-lora``,
+  400. The adapter is applied with PEFT on the stand-in's model; ``max_loaded_loras`` eviction is not modelled.
+
 Not modelled: SGLang's scheduler runs control calls one at a time; here they run on their own threads (generation is
 still one forward at a time under a lock, so pause/abort/weight updates land between tokens as in SGLang).
 Generation while memory is released (on a GPU it would touch unmapped memory; the engine refuses to ask for it)
@@ -101,12 +112,16 @@ FIELDS: dict[str, list[str]] = {
     "/update_weights_from_distributed": [  # UpdateWeightsFromDistributedReqInput
         *_BASE, "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
         "load_format"],
+    "/load_lora_adapter": [*_BASE, "lora_name", "lora_path", "pinned", "lora_id"],  # LoadLoRAAdapterReqInput
+    "/unload_lora_adapter": [*_BASE, "lora_name", "lora_id"],  # UnloadLoRAAdapterReqInput
 }
 # the fields of those structs without a default (GenerateReqInput has none: it checks text/input_ids itself)
 REQUIRED: dict[str, set[str]] = {
     "/update_weights_from_disk": {"model_path"},
     "/init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size"},
     "/update_weights_from_distributed": {"names", "dtypes", "shapes"},
+    "/load_lora_adapter": {"lora_name", "lora_path"},
+    "/unload_lora_adapter": {"lora_name"},
 }
 # sampling/sampling_params.py, SamplingParams.__init__ (0.5.10)
 SAMPLING = ["max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
@@ -158,6 +173,10 @@ class State:
         self.groups: dict[str, Any] = {}  # weight update groups by name
         self.offload_tags: set[str] = set()  # released memory (scheduler.offload_tags)
         self.weights_backup: dict[str, torch.Tensor] | None = None  # --enable-weights-cpu-backup: the host copy
+        self.peft: Any = None  # the model wrapped by PEFT once an adapter is loaded
+        self.loras: dict[str, str] = {}  # loaded adapters: name -> path (lora_registry)
+        self.lora_cache: dict[str, str] = {}  # every adapter ever loaded: name -> path (lora_ref_cache)
+        self.lora_users: dict[str, int] = {}  # requests in flight per adapter
 
     def wait_running(self, rid: str | None = None, epoch: int | None = None) -> None:
         """Until generation is resumed (or, for a request in flight, it is aborted)."""
@@ -284,6 +303,7 @@ def generate(st: State, body: dict[str, Any]) -> dict[str, Any]:
     max_new = int(sp.get("max_new_tokens", 128))
     _check_length(st, len(ids), max_new)
     gen = _generator(st, sp)
+    lora = resolve_lora(st, body.get("lora_path"))
     stops = set(sp.get("stop_token_ids") or []) | ({st.eos} if isinstance(st.eos, int) else set())
     st.wait_running()  # tokenizer_manager.generate_request waits on is_pause_cond before anything
     epoch = st.abort_epoch
@@ -292,6 +312,8 @@ def generate(st: State, body: dict[str, Any]) -> dict[str, Any]:
     reason: dict[str, Any] = {"type": "length", "length": max_new}
     version = st.weight_version
     st.inflight[rid] = 0
+    if lora is not None:
+        st.lora_users[lora] = st.lora_users.get(lora, 0) + 1
     try:
         while len(out) < max_new:
             if rid in st.aborted or st.abort_epoch != epoch:
@@ -301,7 +323,7 @@ def generate(st: State, body: dict[str, Any]) -> dict[str, Any]:
             if st.abort_epoch != epoch or rid in st.aborted:
                 continue
             with st.lock, torch.no_grad():
-                logits = st.model(input_ids=torch.tensor([ids + out])).logits[0, -1]
+                logits = _forward(st, lora, ids + out)
                 version = st.weight_version
             tok, lp = _sample(logits, sp, gen)
             out.append(tok)
@@ -313,10 +335,95 @@ def generate(st: State, body: dict[str, Any]) -> dict[str, Any]:
     finally:
         st.inflight.pop(rid, None)
         st.aborted.discard(rid)
+        if lora is not None:
+            st.lora_users[lora] -= 1
     triples = [[lp, t, None] for lp, t in zip(lps, out)] if body.get("return_logprob") else []
     return {"text": "", "output_ids": out, "meta_info": {
         "id": rid, "finish_reason": reason, "prompt_tokens": len(ids), "completion_tokens": len(out),
         "output_token_logprobs": triples, "weight_version": version}}
+
+
+def _forward(st: State, lora: str | None, ids: list[int]) -> torch.Tensor:
+    """The last position's logits of ``ids``, with adapter ``lora`` (None: the base model)."""
+    x = torch.tensor([ids])
+    if st.peft is None:
+        return st.model(input_ids=x).logits[0, -1]
+    if lora is None:
+        with st.peft.disable_adapter():
+            return st.peft(input_ids=x).logits[0, -1]
+    st.peft.set_adapter(lora)
+    return st.peft(input_ids=x).logits[0, -1]
+
+
+def resolve_lora(st: State, name: Any) -> str | None:
+    """tokenizer_manager.py (0.5.10), ``_validate_and_resolve_lora`` / ``_resolve_lora_path``: ``lora_path`` names an
+    adapter; one unloaded since it was loaded is loaded again from its path, one never loaded is an error."""
+    if not name:
+        return None
+    if not st.args.enable_lora:
+        raise ValueError(f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server "
+                         "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter "
+                         "endpoint.")
+    name = str(name)
+    if name not in st.loras:
+        if name not in st.lora_cache:
+            raise ValueError(f"Got LoRA adapter that has never been loaded: {name}\n"
+                             f"All loaded adapters: {st.lora_cache.keys()}.")
+        code, out = load_lora(st, {"lora_name": name, "lora_path": st.lora_cache[name]})
+        if code != 200 and "already loaded" not in str(out.get("error_message")):
+            raise ValueError(f"Failed to implicitly load LoRA adapter {name}: {out.get('error_message')}")
+    return name
+
+
+def _lora_out(st: State, error: str | None = None) -> tuple[int, dict[str, Any]]:
+    """io_struct.py (0.5.10), ``LoRAUpdateOutput``; http_server.py answers 400 when it is not a success."""
+    refs = {n: {"lora_id": n, "lora_name": n, "lora_path": p, "pinned": False} for n, p in st.loras.items()}
+    return (400 if error else 200), {"rid": None, "http_worker_ipc": None, "success": error is None,
+                                     "error_message": error, "loaded_adapters": None if error else refs}
+
+
+def load_lora(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """tokenizer_communicator_mixin.py (0.5.10), ``load_lora_adapter``; lora_manager.py, ``validate_new_adapter``."""
+    from peft import PeftConfig, PeftModel
+
+    if not st.args.enable_lora:
+        return _lora_out(st, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+    name, path = str(body["lora_name"]), str(body["lora_path"])
+    if name in st.loras:
+        return _lora_out(st, f"Failed to load LoRA adapter {name} because it is already loaded")
+    try:
+        conf = PeftConfig.from_pretrained(path)
+    except Exception as exc:  # SGLang's LoRAConfig reads adapter_config.json the same way
+        return _lora_out(st, f"Failed to load LoRA adapter {name}: {exc}")
+    targets = set(conf.target_modules or [])
+    if conf.r > st.args.max_lora_rank or not targets <= set(st.args.lora_target_modules):
+        return _lora_out(st, f"LoRA adapter {name} with rank {conf.r} is incompatible with the current LoRA memory "
+                         "pool configuration. Please ensure that the LoRA adapter's rank is within the configured "
+                         "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`.")
+    with st.lock:
+        if st.peft is None:
+            st.peft = PeftModel.from_pretrained(st.model, path, adapter_name=name).eval()
+        else:
+            st.peft.load_adapter(path, adapter_name=name)
+    st.loras[name] = st.lora_cache[name] = path
+    return _lora_out(st)
+
+
+def unload_lora(st: State, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """tokenizer_communicator_mixin.py (0.5.10), ``unload_lora_adapter``: unregistered at once, unloaded once the
+    requests using it are done (``lora_registry.py``, ``unregister``, ``wait_for_unload``)."""
+    if not st.args.enable_lora:
+        return _lora_out(st, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+    name = str(body["lora_name"])
+    if name not in st.loras:
+        return _lora_out(st, f"LoRA with name {name} does not exist. Loaded LoRAs: {st.loras.keys()}")
+    del st.loras[name]
+    deadline = time.monotonic() + 600
+    while st.lora_users.get(name, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with st.lock:
+        st.peft.delete_adapter(name)
+    return _lora_out(st)
 
 
 def _before_update(st: State, body: dict[str, Any]) -> None:
@@ -534,7 +641,8 @@ def server_info(st: State) -> dict[str, Any]:
 ROUTES = {"/generate": generate, "/update_weights_from_disk": load_disk, "/init_weights_update_group": init_group,
           "/update_weights_from_distributed": load_distributed, "/destroy_weights_update_group": destroy_group,
           "/pause_generation": pause, "/continue_generation": resume, "/abort_request": abort,
-          "/release_memory_occupation": release_memory, "/resume_memory_occupation": resume_memory}
+          "/release_memory_occupation": release_memory, "/resume_memory_occupation": resume_memory,
+          "/load_lora_adapter": load_lora, "/unload_lora_adapter": unload_lora}
 
 
 def make_handler(st: State) -> type[BaseHTTPRequestHandler]:
@@ -613,7 +721,14 @@ def main() -> None:
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--enable-weights-cpu-backup", action="store_true")
     p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--lora-target-modules", nargs="*", default=None)
+    p.add_argument("--max-loras-per-batch", type=int, default=8)
     args = p.parse_args()  # unknown flags: exit 2 at start, as SGLang's parser does
+    if args.enable_lora and not (args.max_lora_rank and args.lora_target_modules):  # server_args.py (0.5.10)
+        raise SystemExit("AssertionError: When no initial --lora-paths is provided, you need to specify both "
+                         "--max-lora-rank and --lora-target-modules for LoRA initialization.")
     torch.set_num_threads(1)
     st = State(args)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(st))

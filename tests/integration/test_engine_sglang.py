@@ -128,6 +128,8 @@ IO_STRUCT_0_5_10 = {  # endpoint -> fields of its request struct, in declaration
                                          "abort_all_requests", "weight_version", "load_format"],
     "/release_memory_occupation": [*_BASE, "tags"],
     "/resume_memory_occupation": [*_BASE, "tags"],
+    "/load_lora_adapter": [*_BASE, "lora_name", "lora_path", "pinned", "lora_id"],
+    "/unload_lora_adapter": [*_BASE, "lora_name", "lora_id"],
 }
 SAMPLING_PARAMS_0_5_10 = [
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
@@ -142,7 +144,8 @@ STRUCTS = {"/generate": "GenerateReqInput", "/abort_request": "AbortReq",
            "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
            "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
            "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
-           "/resume_memory_occupation": "ResumeMemoryOccupationReqInput"}
+           "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+           "/load_lora_adapter": "LoadLoRAAdapterReqInput", "/unload_lora_adapter": "UnloadLoRAAdapterReqInput"}
 
 
 def read_io_struct(src: Path) -> dict[str, list[str]]:

@@ -58,10 +58,19 @@ def test_lora_with_megatron_is_refused_in_one_line() -> None:
                              "trainer.backend=megatron"), "model.lora", "megatron")
 
 
+@pytest.mark.parametrize(("engine", "lora", "needle"), [
+    ("vllm", "{rank: 8, modules_to_save: [lm_head]}", "modules_to_save"),
+    ("sglang", "{rank: 8, modules_to_save: [lm_head]}", "modules_to_save"),
+    ("vllm", "{rank: 600}", "up to 512")])
+def test_lora_a_server_cannot_serve_is_refused_in_one_line(engine: str, lora: str, needle: str) -> None:
+    assert_one_error(run_cli("validate", str(DEMO), "--set", f"model.lora={lora}", "--set",
+                             f"rollout.engine={engine}"), "model.lora", needle)
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_lora_with_a_server_engine_is_refused_in_one_line(engine: str) -> None:
-    assert_one_error(run_cli("validate", str(DEMO), "--set", "model.lora={rank: 8}", "--set",
-                             f"rollout.engine={engine}"), "model.lora", engine)
+def test_lora_with_a_server_engine_passes(engine: str) -> None:
+    res = run_cli("validate", str(DEMO), "--set", "model.lora={rank: 8}", "--set", f"rollout.engine={engine}")
+    assert res.rc == 0, res.err
 
 
 def test_a_valid_lora_section_passes() -> None:

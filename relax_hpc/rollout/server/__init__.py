@@ -127,10 +127,18 @@ def make_server_engine(cfg: RecipeConfig, *, run_dir: RunDir, proc: str, device:
         env = {**_gpu_env(cfg, index, device), **server_cfg.env}
         server_cfg = server_cfg.model_copy(update={"env": env})
     kind = cfg.rollout.engine
+    if kind == "vllm" and cfg.model.lora is not None:
+        from relax_hpc.rollout.server.vllm_lora import VLLMLoraEngine
+
+        return VLLMLoraEngine(server_cfg, setup, lora=cfg.model.lora, keep=cfg.max_staleness + 1)
     if kind == "vllm":
         from relax_hpc.rollout.server.vllm import VLLMEngine
 
         return VLLMEngine(server_cfg, setup)
+    if kind == "sglang" and cfg.model.lora is not None:
+        from relax_hpc.rollout.server.sglang_lora import SGLangLoraEngine
+
+        return SGLangLoraEngine(server_cfg, setup, lora=cfg.model.lora, keep=cfg.max_staleness + 1)
     if kind == "sglang":
         from relax_hpc.rollout.server.sglang import SGLangEngine
 

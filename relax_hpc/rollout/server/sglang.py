@@ -127,7 +127,7 @@ class SGLangEngine(ServerEngine):
         elif self.deterministic:
             params["sampling_seed"] = self._seeds.getrandbits(31)
         out = await self._json("POST", "/generate", timeout=self.cfg.request_timeout_s,
-                               json=self.generate_body(rid, ids, params, media))
+                               json={**self.generate_body(rid, ids, params, media), **self.adapter_fields()})
         meta = out["meta_info"]
         triples = meta.get("output_token_logprobs") or []
         toks = [int(t) for t in out.get("output_ids") or [tr[1] for tr in triples]]
@@ -137,6 +137,10 @@ class SGLangEngine(ServerEngine):
         reason = (meta.get("finish_reason") or {}).get("type", "stop")
         version = meta.get("weight_version")
         return [(toks, lps, reason if reason in ("stop", "length", "abort") else "stop", _as_version(version))]
+
+    def adapter_fields(self) -> dict[str, Any]:
+        """Fields naming the LoRA adapter a request uses (none: the served model itself)."""
+        return {}
 
     @staticmethod
     def generate_body(rid: str, ids: list[int], params: dict[str, object], media: dict[str, Any] | None

@@ -82,6 +82,10 @@ class VLLMEngine(ServerEngine):
     def default_command(self) -> str:
         return f"{default_vllm_python()} -m {VLLM_MODULE}"
 
+    def served_model(self) -> str:
+        """The ``model`` a generation request names (a LoRA engine names the adapter of its version)."""
+        return SERVED_NAME
+
     def server_args(self, model_dir: Path, port: int) -> list[str]:
         s = self.setup
         args = ["--model", str(model_dir), "--served-model-name", SERVED_NAME, "--host", self.cfg.host,
@@ -129,7 +133,7 @@ class VLLMEngine(ServerEngine):
         if media:
             return await self._post_generate_media(rid, ids, sp, max_new, n, media)
         body: dict[str, object] = {"n": n,
-            "model": SERVED_NAME, "prompt": ids, "max_tokens": max_new, "temperature": sp.temperature,
+            "model": self.served_model(), "prompt": ids, "max_tokens": max_new, "temperature": sp.temperature,
             "top_p": sp.top_p, "top_k": sp.top_k if sp.top_k > 0 else -1, "logprobs": 0, "return_token_ids": True,
             "return_tokens_as_token_ids": True,  # log-prob entries named by id: nothing decoded, no tokenizer needed
             "request_id": rid, "skip_special_tokens": False, "include_stop_str_in_output": True,
@@ -159,8 +163,8 @@ class VLLMEngine(ServerEngine):
             params["seed"] = sp.seed
         if sp.stop_token_ids:
             params["stop_token_ids"] = list(sp.stop_token_ids)
-        return {"request_id": rid, "model": SERVED_NAME, "token_ids": ids, "content_parts": vllm_content_parts(media),
-                "sampling_params": params, "output_mode": "tokens"}
+        return {"request_id": rid, "model": self.served_model(), "token_ids": ids,
+                "content_parts": vllm_content_parts(media), "sampling_params": params, "output_mode": "tokens"}
 
     async def _post_generate_media(self, rid: str, ids: list[int], sp: SamplingParams, max_new: int, n: int,
                                    media: dict[str, Any]) -> list[tuple[list[int], list[float], str, int | None]]:

@@ -27,6 +27,11 @@ def server_links(run_dir: Any, cfg: Any, *, device: str, events: Any = None) -> 
     engine's weight transfer (one ``weight_sync_files`` event says why; the servers load the files)."""
     from relax_hpc.weights.server_links import ServerLinks
 
+    if cfg.model.lora is not None:  # the servers load each adapter version from its folder (a few MB) by path
+        if events is not None:
+            events.event("weight_sync_files", "model.lora: the servers load each adapter version from its snapshot "
+                         "folder by path")
+        return None
     if cfg.rollout.engine == "vllm":
         from relax_hpc.weights.vllm_transfer import vllm_links
 
