@@ -30,7 +30,7 @@ SERIAL_TIERS = {"slurm", "netfs"}
 
 
 COSTS = Path(__file__).with_name("group_costs.json")
-"""CPU seconds of each xdist group in a measured run of the suite (``python tools/test_times.py FILE --write``)."""
+"""Wall seconds of each xdist group in a measured run of the suite (``python tools/test_times.py FILE --write``)."""
 TIER_COST = {"integration": 60.0, "gpu": 1.0, "unit": 5.0}
 """The cost of a group not in COSTS, by tier. The cluster group (serial, the longest) always goes first."""
 

@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("file", type=Path)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--write", action="store_true",
-                    help=f"store each group's CPU seconds in {COSTS.relative_to(ROOT)} (tests/conftest.py hands the "
+                    help=f"store each group's wall seconds in {COSTS.relative_to(ROOT)} (tests/conftest.py hands the "
                          "costliest groups to the workers first)")
     a = ap.parse_args()
     rows = [json.loads(x) for x in a.file.read_text().splitlines() if x.strip()]
@@ -49,7 +49,7 @@ def main() -> None:
     for g, w in gwall.most_common(a.top):
         print(f"{w:8.0f} {gcpu[g]:8.0f}  {g}")
     if a.write:
-        COSTS.write_text(json.dumps({g: round(c, 1) for g, c in sorted(gcpu.items())}, indent=1) + "\n")
+        COSTS.write_text(json.dumps({g: round(c, 1) for g, c in sorted(gwall.items())}, indent=1) + "\n")
         print(f"wrote {COSTS}")
 
 

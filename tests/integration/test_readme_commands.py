@@ -159,6 +159,7 @@ RUN_README = [
     "relax-hpc render recipes/qwen3-4b-math-fully-async-vllm.yaml",
     "relax-hpc submit recipes/qwen3-4b-math-fully-async-vllm.yaml --executor slurm --dry-run --run-dir runs/try",
     "relax-hpc data list",
+    "relax-hpc export runs/exp1",
 ]
 """The README's commands, run by :func:`test_readme_commands_run` and the sweep test, in this order."""
 RUN_CLUSTER = [
@@ -211,6 +212,8 @@ def test_readme_commands_run(workdir: Path) -> None:
     sh(cmd[4], workdir)
     assert (workdir / "curves.png").stat().st_size > 10_000
     assert "state: completed" in sh(cmd[5], workdir).stdout
+    sh(cmd[12], workdir)
+    assert list((workdir / "runs" / "exp1" / "exports").glob("v*/config.json"))
     # exp2: long enough to cancel it once it checkpointed, then resume it to the end
     sh(cmd[2], workdir, *SHORT, "--set", "num_steps=60", "--set", "trainer.checkpoint_every=1",
        "--set", "trainer.async_checkpoint=false", "--detach")
@@ -238,7 +241,7 @@ def test_readme_sweep_changes_the_result_in_colocate(workdir: Path) -> None:
     assert len(set(series)) == 4, f"two combinations of the README's grid learn the same: {series}"
 
 
-@pytest.mark.slow
+@pytest.mark.proof
 @pytest.mark.integration
 def test_fully_async_demo_ends_where_the_readme_says(tmp_path: Path) -> None:
     """fully_async is not deterministic (timing decides which weights generate each batch); the README says its
