@@ -70,6 +70,15 @@ def test_vllm_server_arguments() -> None:
     assert "--enable-sleep-mode" not in cpu and cpu[cpu.index("--gpu-memory-utilization") + 1] == "0.1"
 
 
+def test_vllm_cpu_server_threads_are_not_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's "auto" binding pins every CPU server's worker to one core; the engine asks for none unless told."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert _engine("vllm", "cpu", 0, None).server_env()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in _engine("vllm", "cuda", 0, None).server_env()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # the user's own choice stands
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in _engine("vllm", "cpu", 0, None).server_env()
+
+
 def test_sglang_server_arguments() -> None:
     two = _engine("sglang", "cuda", 2, 0.4).server_args(Path("/m"), 1)
     assert "--enable-memory-saver" in two and "--enable-weights-cpu-backup" not in two

@@ -113,6 +113,10 @@ class VLLMEngine(ServerEngine):
         env = {"VLLM_SERVER_DEV_MODE": "1"}
         if self._cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                # vLLM's "auto" pins each CPU server's worker to the first core of its NUMA node (the rest held
+                # for its scheduler): every server of a node, and beside the trainer, on that one core
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         return {**env, **self.cfg.env}
 
     @property
