@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -157,6 +158,10 @@ def copy_state_into(target: Any, state: Mapping[str, torch.Tensor], *, strict: b
             d.copy_(s)
 
 
+REREAD_S = 1.0
+"""SnapshotReader.poll reads LATEST at least this often even when its ``stat`` looks unchanged."""
+
+
 class SnapshotReader:
     """Polls and loads weight snapshots of one run for one named reader (``rollout-0``), holding a lease meanwhile."""
 
@@ -169,21 +174,27 @@ class SnapshotReader:
         self.loaded_version: int | None = None
         self._latest_stat: tuple[int, int, int] | None = None
         self._latest_seen: int | None = None
+        self._latest_read = 0.0  # time.monotonic() of the last read of LATEST
         self._warned_lease = False
 
     def poll(self) -> int | None:
         """The version LATEST names if it is newer than the last one loaded, else None.
 
-        Costs one ``stat`` of LATEST, plus one small read when the file changed since the previous poll.
+        Costs one ``stat`` of LATEST, plus one small read when the file changed since the previous poll or
+        ``REREAD_S`` passed since the last read: a network client's attribute cache may show the old ``stat`` for
+        its whole timeout (``actimeo``, sshfs ``attr_timeout``), while opening the file by its name reads the new
+        file (close-to-open), so a cached attribute delays a new version by at most ``REREAD_S`` (docs/netfs.md).
         """
         try:
             st = os.stat(self.rd.weights_latest)
         except FileNotFoundError:
             return None
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if key != self._latest_stat:
+        now = time.monotonic()
+        if key != self._latest_stat or now - self._latest_read >= REREAD_S:
             self._latest_seen = latest_version(self.rd)
             self._latest_stat = key
+            self._latest_read = now
         v = self._latest_seen
         return v if v is not None and (self.loaded_version is None or v > self.loaded_version) else None
 
