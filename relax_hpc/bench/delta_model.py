@@ -128,15 +128,17 @@ def rates(rd: Any, versions: list[int], full_bytes: int) -> dict[str, float]:
     from safetensors.torch import load
 
     from relax_hpc.weights import load_snapshot
+    from relax_hpc.weights.manifest import read_manifest
 
     base = rd.snapshot(1)
+    files = read_manifest(base)["files"]
     res: dict[str, float] = {}
     for cache in ("warm", "cold"):
         def cold_of(*vs: int, _c: str = cache) -> Callable[[], Any] | None:
             return (lambda: drop_cache(*(rd.snapshot(v) for v in vs))) if _c == "cold" else None
 
         def plain_load() -> Any:  # every byte read and copied into tensors (load_file alone maps lazily)
-            return load((base / "model.safetensors").read_bytes())
+            return [load((base / f["name"]).read_bytes()) for f in files]
 
         plain_load()  # warm-up (imports, allocator)
         plain = [_timed(plain_load, cold_of(1)) for _ in range(3)]
