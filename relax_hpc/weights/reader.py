@@ -95,8 +95,12 @@ def load_snapshot(folder: Path, *, device: str | torch.device = "cpu",
 
 
 def _load_delta(folder: Path, manifest: dict[str, Any], verify: Verify) -> dict[str, torch.Tensor]:
-    """A delta snapshot's tensors: its full base (a sibling folder) loaded and verified, then the delta applied.
-    A missing, incomplete or damaged base is a :class:`SnapshotError` (the reader falls back to an older version)."""
+    """A delta snapshot's tensors: its full base (a sibling folder) loaded, then the delta applied.
+    A missing, incomplete or damaged base is a :class:`SnapshotError` (the reader falls back to an older version).
+
+    The base's files are checked by size only: every reconstructed tensor is checked against its own sha256, which
+    a damaged base fails as surely as a damaged delta, so hashing the base too would hash the model twice. Only when
+    a tensor fails is the base hashed, to say which of the two is damaged."""
     base_v = base_of(manifest)
     base_dir = folder.parent / f"v{base_v:06d}"
     if not is_complete(base_dir):
@@ -104,12 +108,20 @@ def _load_delta(folder: Path, manifest: dict[str, Any], verify: Verify) -> dict[
     try:
         if base_of(read_manifest(base_dir)) is not None:
             raise SnapshotError(f"{base_dir} is itself a delta")
-        base_state, _ = load_snapshot(base_dir, verify=verify)
+        base_state, _ = load_snapshot(base_dir, verify="size")
     except FileNotFoundError as exc:
         raise SnapshotError(f"{folder}: its base snapshot {base_dir} vanished ({exc.filename})") from exc
     except SnapshotError as exc:
         raise SnapshotError(f"{folder}: its base snapshot is damaged: {exc}") from exc
-    return apply_delta(folder, manifest, base_state, verify=verify)
+    try:
+        return apply_delta(folder, manifest, base_state, verify=verify)
+    except SnapshotError as exc:
+        del base_state
+        try:
+            load_snapshot(base_dir, verify="sha256")
+        except (SnapshotError, FileNotFoundError) as base_exc:
+            raise SnapshotError(f"{folder}: its base snapshot is damaged: {base_exc}") from exc
+        raise
 
 
 def _to_device(state: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

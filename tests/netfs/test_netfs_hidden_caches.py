@@ -104,3 +104,30 @@ def test_shard_seen_across_cache_hiding_mounts_within_seconds(hidden: tuple[Path
         time.sleep(0.3)
     assert len(seen) == len(set(seen)) == 8
     assert max(delays[1:]) < 5, delays  # the first plan may wait for the writer folder to appear
+
+
+def test_planned_position_seen_across_cache_hiding_mounts_within_seconds(hidden: tuple[Path, Path]) -> None:
+    """Writers on B throttle on the trainer's planned position, planned through A: each new plan is seen at once
+    (planned.json is a file replaced by rename; a replaced symbolic link stayed hidden for the 30 s entry cache)."""
+    from relax_hpc.store import backlog
+
+    rd_a, rd_b = _fresh(hidden, "planned")
+    writer = ShardWriter(rd_b, "rollout-0.x")
+    for k in range(5):
+        writer.write([SampleGroup(f"g{k}", [Sample(prompt_ids=np.arange(3, dtype=np.int32),
+                                                   response_ids=np.full(4, i, np.int32),
+                                                   logprobs=np.zeros(4, np.float32), reward=float(i),
+                                                   metadata={"uid": f"g{k}/{i}"}) for i in range(2)])])
+    consumer = ConsumerGroup(rd_a)
+    consumer.plan(1, 2, timeout_s=HIDE_S * 3)  # planned.json exists before B first looks (no negative entry)
+    consumer.commit(consumer.position_after(1))
+    delays = []
+    for step in range(2, 5):
+        assert backlog(rd_b).position_step == step - 1  # B has read planned.json before A replaces it
+        consumer.plan(step, 2, timeout_s=HIDE_S * 3)
+        t0 = time.monotonic()
+        while backlog(rd_b).position_step != step and time.monotonic() - t0 < HIDE_S + 10:
+            time.sleep(0.05)
+        delays.append(time.monotonic() - t0)
+        consumer.commit(consumer.position_after(step))
+    assert max(delays) < 3, delays  # with a symbolic link: about HIDE_S each
