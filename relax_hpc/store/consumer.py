@@ -34,7 +34,7 @@ import numpy as np
 from relax_hpc.errors import CorruptShardError, RunDirError, StoreError, UserError, WaitTimeout
 from relax_hpc.fsio import atomic_write_json, read_json, refresh_nfs_cache, remove_debris, wait_for
 from relax_hpc.rundir import RunDir
-from relax_hpc.store.announce import list_announced, remove_consumed
+from relax_hpc.store.announce import list_announced, read_heads, remove_consumed
 from relax_hpc.store.layout import (
     ShardRef,
     check_consumer,
@@ -252,6 +252,7 @@ class ConsumerGroup:
                                 "extra_refs": self._quarantined_ref}
         if now - self._last_full < self.full_scan_s:
             index, damaged = list_announced(self.run_dir)
+            index = read_heads(self.run_dir, {*self._base["writers"], *index}, index)
             self.counters["index_damaged"] += damaged
             if not damaged:
                 sel = select(self.run_dir, self._base["writers"], index=index, visible=self._visible, **args)
