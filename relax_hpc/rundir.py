@@ -12,6 +12,7 @@ Layout::
       config/<role>.json            the resolved config as each role saw it at start
       samples/shards/<writer>/      published HDF5 shards, one folder per writer incarnation
       samples/announce/             one empty file per published, unconsumed shard: the planner's index
+      samples/heads/<writer>.json   each writer's newest shard names, replaced by rename (read by name)
       samples/tmp/                  writers' temporary files (same filesystem, for atomic renames)
       samples/quarantine/           corrupt shards, moved aside with a reason file
       samples/consumers/<name>/     a consumer group's committed read position and per-step batch plans
@@ -113,6 +114,16 @@ class RunDir:
     def announce_file(self, writer_id: str, name: str) -> Path:
         """The announcement of shard ``name`` of ``writer_id``."""
         return self.announce / f"{writer_id}.{name}"
+
+    @cached_property
+    def heads(self) -> Path:
+        """Per writer, the names of its newest shards (``<writer_id>.json``, replaced by rename after each publish):
+        the planner reads them by name, so a directory cache that hides new announcements does not delay them."""
+        return self.samples / "heads"
+
+    def head_file(self, writer_id: str) -> Path:
+        """The head of ``writer_id``: ``{"shards": [newest shard names]}``."""
+        return self.heads / f"{writer_id}.json"
 
     @cached_property
     def samples_tmp(self) -> Path:
@@ -346,8 +357,9 @@ class RunDir:
         return self.root / "exports" / f"v{version:06d}{'-merged' if merged else ''}"
 
     # ---------------------------------------------------------------- lifecycle
-    _FOLDERS = ("samples/shards", "samples/announce", "samples/tmp", "samples/quarantine", "samples/consumers",
-                "weights/leases", "weights/pins", "checkpoints", "logs/events", "heartbeats", "supervisor",
+    _FOLDERS = ("samples/shards", "samples/announce", "samples/heads", "samples/tmp", "samples/quarantine",
+                "samples/consumers", "weights/leases", "weights/pins", "checkpoints", "logs/events", "heartbeats",
+                "supervisor",
                 "rendezvous", "control", "slurm", "config")
 
     def is_run_dir(self) -> bool:

@@ -97,13 +97,13 @@ class ChaosRun:
 
 # ------------------------------------------------------------------------------------------------ submitting
 def submit(index: int, base: Path, steps: int, placement: str, kills: int, seed: int,
-           trainer_ranks: int = 1) -> ChaosRun:
+           trainer_ranks: int = 1, extra: tuple[str, ...] = ()) -> ChaosRun:
     """Create the run dir and submit the run's jobs (in this process: no CLI start-up per run)."""
     from relax_hpc.cli.submit import prepare_run_dir
     from relax_hpc.launch.slurm import launch
 
     overrides = [*SETTINGS, f"num_steps={steps}", f"launch.placement={placement}", f"seed={seed + index}",
-                 f"name=chaos{index:02d}", f"trainer.num_ranks={trainer_ranks}"]
+                 f"name=chaos{index:02d}", f"trainer.num_ranks={trainer_ranks}", *extra]
     args = argparse.Namespace(recipe=str(DEMO), overrides=overrides, run_dir=str(base / f"run{index:02d}"))
     rd, cfg = prepare_run_dir(args)
     launch(rd, cfg)
@@ -358,7 +358,7 @@ def chaos(args: argparse.Namespace) -> dict[str, Any]:
             if len(live) < args.parallel and another_run(runs, args):
                 placement = ("hetjob", "separate")[len(runs) % 2]
                 runs.append(submit(len(runs), base, args.steps, placement, kill_quota(runs, args), args.seed,
-                                   args.trainer_ranks))
+                                   args.trainer_ranks, tuple(args.overrides)))
                 continue
             if not live:
                 break
@@ -394,11 +394,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="ranks of each run's trainer (>1: one gloo process group, restarted as a whole by the role "
                    "supervisors when any rank is killed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override for every run, after the tier's own (repeatable), e.g. delta snapshots: "
+                        "--set 'weights.delta={every_full: 4, max_fraction: 1.0}' --set model.dtype=bfloat16")
     p.add_argument("--base", default=None, help="folder for the run dirs (default: a new temporary one)")
     p.add_argument("--timeout-s", type=float, default=1500.0, help="give up (and cancel everything) after this")
     args = p.parse_args(argv)
     if args.runs < 1 or args.kills < 0 or args.parallel < 1 or args.steps < 1 or args.trainer_ranks < 1:
         raise UserError("--runs, --parallel, --steps and --trainer-ranks must be >= 1 and --kills >= 0")
+    if args.overrides:  # a bad --set is one error line before anything is submitted
+        from relax_hpc.config.load import load_recipe
+
+        load_recipe(str(DEMO), [*SETTINGS, *args.overrides])
     out = chaos(args)
     if args.json:
         print(json.dumps(out, indent=1))

@@ -1,8 +1,13 @@
 """Delta weight snapshots vs full ones: bytes per version, publish and reconstruct time, changed-bytes fraction.
 
 ``relax-hpc bench snapshots --delta [--lr 1e-6 --lr 2e-3] [--steps 12] [--from RUN_DIR ...] [--gb 0.25] [--json]``
+``relax-hpc bench snapshots --delta --model [PATH] [--lr 1e-6] [--model-steps 12] [--form bf16 ...]``
 
-Two sources of consecutive versions:
+With ``--model`` the source is a real pretrained model on a few CPU training steps (SmolLM2-135M-Instruct by
+default): bytes per version by the distance to the base, the amortised bytes per version for every ``every_full``,
+and cold/warm reconstruction rates beside a plain safetensors load (:mod:`relax_hpc.bench.delta_model`).
+
+Otherwise two sources of consecutive versions:
 
 * a real training run of the demo recipe (tiny Qwen3, bf16 weights, on the CPU) at each ``--lr`` (the shipped
   recipes use 1e-6; the demo 2e-3), every version kept (``weights.keep_last`` large); or ``--from`` existing run dirs;
@@ -146,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synthetic-versions", type=int, default=6, help="versions of the synthetic model")
     ap.add_argument("--every-full", type=int, default=10)
     ap.add_argument("--max-fraction", type=float, default=0.5)
+    ap.add_argument("--model", nargs="?", type=Path, const=Path("default"), default=None,
+                    help="a real pretrained model trained a few CPU steps (default path: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model-steps", type=int, default=12, help="training steps of --model (default 12)")
+    ap.add_argument("--form", action="append", choices=("bf16", "fp32-master->bf16", "float32"),
+                    help="how the --model trainer holds and publishes weights (repeatable; default all three)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to publish")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
@@ -155,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.every_full < 1 or not 0 < args.max_fraction <= 1 or args.gb < 0:
         print("error: --steps and --every-full must be >= 1, --max-fraction in (0, 1], --gb >= 0", file=sys.stderr)
         return 2
+    if args.model is not None:
+        return model_main(args)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-delta-") as tmp:
         root = Path(tmp)
@@ -180,6 +192,30 @@ def main(argv: list[str] | None = None) -> int:
                   f"reconstruct {r['reconstruct_gb_s']:.2f} GB/s"
                   + (f"; deltas alone {r['delta_of_full']:.1%} of full, reconstructed at "
                      f"{r['delta_reconstruct_gb_s']:.2f} GB/s" if "delta_of_full" in r else ""))
+    return 0
+
+
+def model_main(args: argparse.Namespace) -> int:
+    """``--model``: the real-model source (relax_hpc.bench.delta_model)."""
+    from relax_hpc.bench import delta_model
+
+    path = delta_model.DEFAULT_MODEL if str(args.model) == "default" else args.model.expanduser()
+    if not (path / "config.json").is_file():
+        print(f"error: --model {path} is not a model folder (config.json missing)", file=sys.stderr)
+        return 2
+    if args.model_steps < 1:
+        print("error: --model-steps must be >= 1", file=sys.stderr)
+        return 2
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-delta-") as tmp:
+        for lr in args.lr or [1e-6]:
+            for res in delta_model.measure_forms(path, args.form or list(delta_model.FORMS), lr,
+                                                 args.model_steps, Path(tmp)):
+                results.append(res)
+                if not args.json:
+                    print(delta_model.report(res), flush=True)
+    if args.json:
+        print(json.dumps({"model": str(path), "results": results}))
     return 0
 
 

@@ -12,6 +12,13 @@ seconds, whenever a look at the index finds too little data, and, for one writer
 ``seq`` do not continue its position without a gap (:class:`relax_hpc.store.consumer.ConsumerGroup`). An
 announced shard that is not (or no longer) visible is never counted as lost: the planner waits for a full scan.
 Retention removes the announcements of consumed shards with the shards (:func:`remove_consumed`).
+
+A listing can be served from a network client's directory cache for a whole timeout (NFS ``acdirmax``, sshfs
+``dcache_timeout``): the new announcements of a cached listing stay hidden. So each writer also replaces its *head*,
+``samples/heads/<writer_id>.json``, naming its newest ``HEAD_NAMES`` shards (:func:`write_head`), and the planner
+reads the heads of the writers it knows by name (:func:`read_heads`): opening a known name after the writer's
+rename gives the new file (close-to-open), whatever the directory cache says. A new writer is still found by a
+listing (once).
 """
 
 from __future__ import annotations
@@ -20,11 +27,13 @@ import contextlib
 import logging
 import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from relax_hpc.errors import RunDirError
-from relax_hpc.fsio import create_marker
+from relax_hpc.fsio import atomic_write_json, create_marker, read_json
 from relax_hpc.rundir import RunDir
+from relax_hpc.store.layout import ShardRef
 
 log = logging.getLogger("relax_hpc.store")
 
@@ -51,6 +60,40 @@ def announce(rd: RunDir, writer_id: str, name: str) -> bool:
         log.warning("shard %s/%s is published but not announced (%s); the planner's full scan finds it",
                     writer_id, name, exc)
         return False
+
+
+HEAD_NAMES = 64
+"""A writer's head names its newest shards, up to this many (a planner more shards behind lists the folder)."""
+
+
+def write_head(rd: RunDir, writer_id: str, names: list[str]) -> None:
+    """Replace ``writer_id``'s head with its newest shard names (a hint like the announcements: logged on failure)."""
+    try:
+        atomic_write_json(rd.head_file(writer_id), {"shards": names[-HEAD_NAMES:]}, fsync=False, indent=None)
+    except (OSError, RunDirError) as exc:
+        log.warning("head of writer %s not written (%s); the planner's listings find its shards", writer_id, exc)
+
+
+def read_heads(rd: RunDir, writers: Iterable[str], index: Announced) -> Announced:
+    """Add to ``index`` the shards the heads of ``writers`` name (read by name); unreadable heads are skipped."""
+    for w in writers:
+        try:
+            data = read_json(rd.head_file(w), default=None)
+        except (OSError, ValueError):
+            continue
+        names = data.get("shards") if isinstance(data, dict) else None
+        if not isinstance(names, list):
+            continue
+        have = {t[0] for t in index.get(w, ())}
+        for name in names:
+            ref = ShardRef.parse(w, name) if isinstance(name, str) else None
+            if ref is not None and ref.seq not in have:
+                index.setdefault(w, []).append((ref.seq, ref.num_samples, ref.num_groups, ref.min_version,
+                                                ref.max_version))
+                have.add(ref.seq)
+        if w in index:
+            index[w].sort()
+    return index
 
 
 def list_announced(rd: RunDir) -> tuple[Announced, int]:

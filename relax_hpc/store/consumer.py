@@ -11,8 +11,8 @@ Protocol (``docs/protocol-samples.md``):
   :meth:`ConsumerGroup.commit`, which writes ``consumers/<name>/position.json`` and only then applies retention to
   shards below it. A trainer resumed from checkpoint ``k`` calls :meth:`ConsumerGroup.resume` with the position
   stored there: nothing is skipped or read twice.
-* ``consumers/<name>/planned.json`` gives the latest planned position, for writers' backlog figures: a symbolic link
-  to the latest plan file (its ``position_after``), or a position file after :meth:`ConsumerGroup.resume`.
+* ``consumers/<name>/planned.json`` gives the latest planned position, for writers' backlog figures: a small
+  position file replaced at every plan (the plan's ``position_after``) and by :meth:`ConsumerGroup.resume`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any, Literal
 import numpy as np
 
 from relax_hpc.errors import CorruptShardError, RunDirError, StoreError, UserError, WaitTimeout
-from relax_hpc.fsio import atomic_write_json, read_json, refresh_nfs_cache, remove_debris, tmp_name, wait_for
+from relax_hpc.fsio import atomic_write_json, read_json, refresh_nfs_cache, remove_debris, wait_for
 from relax_hpc.rundir import RunDir
-from relax_hpc.store.announce import list_announced, remove_consumed
+from relax_hpc.store.announce import list_announced, read_heads, remove_consumed
 from relax_hpc.store.layout import (
     ShardRef,
     check_consumer,
@@ -121,7 +121,6 @@ class ConsumerGroup:
         self.data_cache_bytes = data_cache_bytes
         self._plans: dict[int, Plan] = {}
         self._planned = self.run_dir.consumer_planned(self.name)
-        self._plans_rel = os.path.relpath(self.run_dir.consumer_plans(self.name), self._planned.parent)
         #: Counters over this object's life: quarantined_shards/_samples, stale_dropped_samples, samples_read ...
         self.counters: collections.Counter[str] = collections.Counter()
         self._bad: set[tuple[str, int]] = set()
@@ -190,7 +189,7 @@ class ConsumerGroup:
         existing = self._load_plan(path)
         if existing is not None:
             log.info("replaying plan %s written before a restart (%d samples)", path, existing.num_samples)
-            self._publish_planned(path, existing.position_after)
+            self._publish_planned(existing.position_after)
             return self._accept(existing)
         found: list[Any] = []
 
@@ -230,7 +229,7 @@ class ConsumerGroup:
             stats={"samples": sel.samples, "groups": len(sel.groups), **sel.stats},
         )
         atomic_write_json(path, plan.to_json(), fsync=False, indent=None)  # not durable: see _load_plan
-        self._publish_planned(path, after)
+        self._publish_planned(after)
         for key in ("stale_dropped_samples", "stale_flagged_samples", "quarantined_samples"):
             self.counters[key] += int(sel.stats.get(key, 0))
         self.counters["quarantined_shards"] += len(sel.stats["quarantined_shards"])
@@ -253,6 +252,7 @@ class ConsumerGroup:
                                 "extra_refs": self._quarantined_ref}
         if now - self._last_full < self.full_scan_s:
             index, damaged = list_announced(self.run_dir)
+            index = read_heads(self.run_dir, {*self._base["writers"], *index}, index)
             self.counters["index_damaged"] += damaged
             if not damaged:
                 sel = select(self.run_dir, self._base["writers"], index=index, visible=self._visible, **args)
@@ -270,20 +270,12 @@ class ConsumerGroup:
     def _visible(self, ref: ShardRef) -> bool:
         return resolve(self.run_dir, ref) is not None
 
-    def _publish_planned(self, plan_path: Path | None, position: dict[str, Any]) -> None:
-        """Make ``planned.json`` give ``position``: a symbolic link to the plan file that ends with it (replacing a
-        link renames no data: ~10x cheaper than replacing a small file on some filesystems), else a file."""
-        final = self._planned
-        if plan_path is not None:
-            tmp = tmp_name(final)
-            try:
-                os.symlink(os.path.join(self._plans_rel, plan_path.name), tmp)
-                os.replace(tmp, final)
-                return
-            except OSError:  # a filesystem without symbolic links
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-        atomic_write_json(final, position, fsync=False, indent=None)
+    def _publish_planned(self, position: dict[str, Any]) -> None:
+        """Make ``planned.json`` give ``position``: a small file replaced by rename (no fsync). Not a symbolic link
+        to the plan file, though that would rename no data: a network client resolves a replaced link through its
+        cached entry for a whole entry-cache timeout (30.8 s on sshfs with 30 s caches, docs/netfs.md), so writers
+        would pause for room that was already made; a replaced file is read fresh by name (close-to-open)."""
+        atomic_write_json(self._planned, position, fsync=False, indent=None)
 
     def plan_available(self, step: int, num_samples: int | None = None, **kwargs: Any) -> Plan:
         """(Leader) :meth:`plan` without waiting: up to ``num_samples`` of what is published now (maybe none)."""
@@ -515,7 +507,7 @@ class ConsumerGroup:
             self._forget_data(key)
         self._set_base(check_position(position, self.name) if position else empty_position(self.name))
         if self.is_leader:
-            self._publish_planned(None, self._base)
+            self._publish_planned(self._base)
 
 
 @dataclasses.dataclass

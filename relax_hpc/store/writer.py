@@ -23,7 +23,7 @@ from pathlib import Path
 from relax_hpc.errors import RunDirError
 from relax_hpc.fsio import TMP_PREFIX, fsync_dir
 from relax_hpc.rundir import RunDir
-from relax_hpc.store.announce import announce
+from relax_hpc.store.announce import HEAD_NAMES, announce, write_head
 from relax_hpc.store.layout import check_writer_id, list_shards, shard_name
 from relax_hpc.store.sample import SampleGroup
 from relax_hpc.store.shard import encode_shard
@@ -106,10 +106,12 @@ class ShardWriter:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.run_dir.samples_tmp.mkdir(parents=True, exist_ok=True)
             self.run_dir.announce.mkdir(parents=True, exist_ok=True)
+            self.run_dir.heads.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunDirError(f"cannot create shard folder {self.folder}: {describe_oserror(exc)}") from exc
         existing = list_shards(self.run_dir, self.writer_id)
         self.next_seq = existing[-1].seq + 1 if existing else 0
+        self._recent = [r.name for r in existing[-HEAD_NAMES:]]  # the names this writer's head gives
         self._queue: queue.Queue[tuple[int, Path, Path] | None] | None = None
         self._thread: threading.Thread | None = None
         self._error: tuple[int, RunDirError] | None = None
@@ -169,6 +171,8 @@ class ShardWriter:
         if self.fsync_dir:
             fsync_dir(self.folder)
         announce(self.run_dir, self.writer_id, final.name)  # after the publish: a hint for the planner
+        self._recent = [*self._recent[-(HEAD_NAMES - 1):], final.name]
+        write_head(self.run_dir, self.writer_id, self._recent)  # the same hint, read by name
 
     def _publisher(self) -> None:
         assert self._queue is not None

@@ -49,7 +49,7 @@ class DeltaPolicy(NamedTuple):
     """When the publisher writes a delta: at most ``every_full - 1`` deltas after each full version, each no larger
     than ``max_fraction`` of the full size, encoded with ``codec``."""
 
-    every_full: int = 10
+    every_full: int = 20
     max_fraction: float = 0.5
     codec: Codec = "xor-zstd"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -94,8 +95,12 @@ def load_snapshot(folder: Path, *, device: str | torch.device = "cpu",
 
 
 def _load_delta(folder: Path, manifest: dict[str, Any], verify: Verify) -> dict[str, torch.Tensor]:
-    """A delta snapshot's tensors: its full base (a sibling folder) loaded and verified, then the delta applied.
-    A missing, incomplete or damaged base is a :class:`SnapshotError` (the reader falls back to an older version)."""
+    """A delta snapshot's tensors: its full base (a sibling folder) loaded, then the delta applied.
+    A missing, incomplete or damaged base is a :class:`SnapshotError` (the reader falls back to an older version).
+
+    The base's files are checked by size only: every reconstructed tensor is checked against its own sha256, which
+    a damaged base fails as surely as a damaged delta, so hashing the base too would hash the model twice. Only when
+    a tensor fails is the base hashed, to say which of the two is damaged."""
     base_v = base_of(manifest)
     base_dir = folder.parent / f"v{base_v:06d}"
     if not is_complete(base_dir):
@@ -103,12 +108,20 @@ def _load_delta(folder: Path, manifest: dict[str, Any], verify: Verify) -> dict[
     try:
         if base_of(read_manifest(base_dir)) is not None:
             raise SnapshotError(f"{base_dir} is itself a delta")
-        base_state, _ = load_snapshot(base_dir, verify=verify)
+        base_state, _ = load_snapshot(base_dir, verify="size")
     except FileNotFoundError as exc:
         raise SnapshotError(f"{folder}: its base snapshot {base_dir} vanished ({exc.filename})") from exc
     except SnapshotError as exc:
         raise SnapshotError(f"{folder}: its base snapshot is damaged: {exc}") from exc
-    return apply_delta(folder, manifest, base_state, verify=verify)
+    try:
+        return apply_delta(folder, manifest, base_state, verify=verify)
+    except SnapshotError as exc:
+        del base_state
+        try:
+            load_snapshot(base_dir, verify="sha256")
+        except (SnapshotError, FileNotFoundError) as base_exc:
+            raise SnapshotError(f"{folder}: its base snapshot is damaged: {base_exc}") from exc
+        raise
 
 
 def _to_device(state: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -157,6 +170,10 @@ def copy_state_into(target: Any, state: Mapping[str, torch.Tensor], *, strict: b
             d.copy_(s)
 
 
+REREAD_S = 1.0
+"""SnapshotReader.poll reads LATEST at least this often even when its ``stat`` looks unchanged."""
+
+
 class SnapshotReader:
     """Polls and loads weight snapshots of one run for one named reader (``rollout-0``), holding a lease meanwhile."""
 
@@ -169,21 +186,27 @@ class SnapshotReader:
         self.loaded_version: int | None = None
         self._latest_stat: tuple[int, int, int] | None = None
         self._latest_seen: int | None = None
+        self._latest_read = 0.0  # time.monotonic() of the last read of LATEST
         self._warned_lease = False
 
     def poll(self) -> int | None:
         """The version LATEST names if it is newer than the last one loaded, else None.
 
-        Costs one ``stat`` of LATEST, plus one small read when the file changed since the previous poll.
+        Costs one ``stat`` of LATEST, plus one small read when the file changed since the previous poll or
+        ``REREAD_S`` passed since the last read: a network client's attribute cache may show the old ``stat`` for
+        its whole timeout (``actimeo``, sshfs ``attr_timeout``), while opening the file by its name reads the new
+        file (close-to-open), so a cached attribute delays a new version by at most ``REREAD_S`` (docs/netfs.md).
         """
         try:
             st = os.stat(self.rd.weights_latest)
         except FileNotFoundError:
             return None
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if key != self._latest_stat:
+        now = time.monotonic()
+        if key != self._latest_stat or now - self._latest_read >= REREAD_S:
             self._latest_seen = latest_version(self.rd)
             self._latest_stat = key
+            self._latest_read = now
         v = self._latest_seen
         return v if v is not None and (self.loaded_version is None or v > self.loaded_version) else None
 

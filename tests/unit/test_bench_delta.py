@@ -34,3 +34,17 @@ def test_bench_delta_on_a_run_dir(tmp_path: Path) -> None:
 def test_bench_delta_bad_options(tmp_path: Path) -> None:
     p = cli("bench", "snapshots", "--delta", "--dir", str(tmp_path / "nope"))
     assert p.returncode == 2 and p.stderr.strip().startswith("error:") and "Traceback" not in p.stderr
+
+
+def test_amortised_bytes_per_version_with_a_full_base_every_k() -> None:
+    from relax_hpc.bench.delta_model import amortised
+
+    # full 100, deltas 2, 4, 6 bytes at distances 1, 2, 3 from their base
+    am = amortised(100, [2, 4, 6])
+    assert am == {1: 1.0, 2: 102 / 2 / 100, 3: 106 / 3 / 100, 4: 112 / 4 / 100}
+
+
+def test_bench_delta_model_needs_a_model_folder(tmp_path: Path) -> None:
+    p = cli("bench", "snapshots", "--delta", "--model", str(tmp_path), "--dir", str(tmp_path))
+    assert p.returncode == 2 and p.stderr.strip().startswith("error:") and "config.json" in p.stderr
+    assert "Traceback" not in p.stderr

@@ -4,6 +4,7 @@ announced shard not visible yet), so no sample is ever hidden for long, lost or 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,14 @@ from tests.helpers.samples import group, uids
 
 backlog_mod = sys.modules["relax_hpc.store.backlog"]
 
+
+
+def _unannounce(rd: RunDir, writer_id: str, name: str) -> None:
+    """The state a writer killed between its shard's rename and its announcement leaves: neither the announcement
+    nor the head names the shard."""
+    rd.announce_file(writer_id, name).unlink()
+    head = json.loads(rd.head_file(writer_id).read_text())
+    rd.head_file(writer_id).write_text(json.dumps({"shards": [n for n in head["shards"] if n != name]}))
 
 def _drain(c: ConsumerGroup, step: int, per_step: int = 4) -> tuple[list[str], int]:
     """Plan and read with ``wait=False`` until a plan comes back empty; the uids read and the next step."""
@@ -66,7 +75,7 @@ def test_publish_without_announcement_is_found_by_a_short_plan(rd: RunDir) -> No
     c = ConsumerGroup(rd)
     assert uids(c.read(c.plan(1, 4, timeout_s=5))) == [f"g0/{i}" for i in range(4)]  # first plan: full scan
     info = w.write([group("g1")])
-    rd.announce_file("rollout-0.a", info.path.name).unlink()  # killed before the announcement
+    _unannounce(rd, "rollout-0.a", info.path.name)  # killed before the announcement
     time.sleep(1.1)  # SHORT_RESCAN_S since the last full scan
     plan = c.plan(2, 4, timeout_s=5)
     assert uids(c.read(plan)) == [f"g1/{i}" for i in range(4)]
@@ -84,7 +93,7 @@ def test_unannounced_shard_is_found_by_the_periodic_scan(rd: RunDir) -> None:
     a.write([group("a0")])
     c.read(c.plan(1, 4, timeout_s=5))
     hidden = b.write([group("b0", version=0)])
-    rd.announce_file("rollout-1.b", hidden.path.name).unlink()
+    _unannounce(rd, "rollout-1.b", hidden.path.name)
     a.write([group("a1", version=1)])
     assert uids(c.read(c.plan(2, 4, timeout_s=5)))[0].startswith("a1/")  # from the index: b0 not seen
     time.sleep(0.6)
@@ -99,7 +108,7 @@ def test_gap_in_announcements_lists_that_writer(rd: RunDir) -> None:
     c = ConsumerGroup(rd)
     c.read(c.plan(1, 4, timeout_s=5))
     infos = [w.write([group(f"g{k}")]) for k in range(1, 4)]
-    rd.announce_file("rollout-0.a", infos[0].path.name).unlink()  # shard 1 unannounced, 2 and 3 announced
+    _unannounce(rd, "rollout-0.a", infos[0].path.name)  # shard 1 unannounced, 2 and 3 announced
     seen, _ = _drain(c, 2)
     assert seen == [f"g{k}/{i}" for k in range(1, 4) for i in range(4)]  # in seq order, none skipped
     assert c.counters["index_gaps"] >= 1
@@ -200,7 +209,7 @@ def test_samples_watch_stats_the_announce_folder(rd: RunDir) -> None:
         ShardWriter(rd, f"rollout-{k}.x").write([group(f"x{k}")])
         assert watch.changed() and not watch.changed()
     hidden = a.write([group("a1")])
-    rd.announce_file("rollout-0.a", hidden.path.name).unlink()
+    _unannounce(rd, "rollout-0.a", hidden.path.name)
     assert watch.changed()  # (the unlink changed the folder too; an unannounced shard is left to the age fallback)
 
 
@@ -212,7 +221,7 @@ def test_backlog_reads_the_index_and_lists_every_folder_at_times(rd: RunDir, mon
     a.write([group("a0")])
     assert backlog_mod.backlog(rd).groups == 1  # the first look lists every folder
     hidden = ShardWriter(rd, "rollout-1.b").write([group("b0")])
-    rd.announce_file("rollout-1.b", hidden.path.name).unlink()
+    _unannounce(rd, "rollout-1.b", hidden.path.name)
     a.write([group("a1")])
     assert backlog_mod.backlog(rd).groups == 2  # from the index: b0 not counted yet
     time.sleep(0.6)
@@ -254,3 +263,18 @@ def test_streaming_plans_short_by_design_read_the_index(rd: RunDir) -> None:
     assert c.counters["full_scans"] == 1 and c.counters["index_plans"] == 4
     time.sleep(1.1)
     assert c.plan_available(6, 16).num_samples == 0 and c.counters["full_scans"] == 2
+
+
+def test_shard_named_by_its_writers_head_is_planned_without_a_listing(rd: RunDir) -> None:
+    """A listing served from a directory cache hides a new announcement; the writer's head (read by name) names the
+    shard, so the plan takes it from the index at once, without a full scan of the writer folders."""
+    w = ShardWriter(rd, "rollout-0.a")
+    w.write([group("g0")])
+    c = ConsumerGroup(rd)
+    c.read(c.plan(1, 4, timeout_s=5))  # first plan: a full scan
+    info = w.write([group("g1")])
+    rd.announce_file("rollout-0.a", info.path.name).unlink()  # as a cached listing would show the folder
+    assert info.path.name in json.loads(rd.head_file("rollout-0.a").read_text())["shards"]
+    plan = c.plan(2, 4, timeout_s=5)
+    assert uids(c.read(plan)) == [f"g1/{i}" for i in range(4)]
+    assert c.counters["full_scans"] == 1 and c.counters["index_plans"] >= 1

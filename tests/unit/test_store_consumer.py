@@ -302,11 +302,12 @@ def test_planned_position_for_backlog(rd: RunDir) -> None:
     c = ConsumerGroup(rd)
     planned = rd.consumer_planned()
     c.plan(1, 4, timeout_s=1)
-    assert planned.is_symlink() and planned.resolve() == rd.consumer_plan(1).resolve()  # no data to replace
+    assert not planned.is_symlink()  # a replaced link is hidden by network clients' entry caches (docs/netfs.md)
+    assert json.loads(planned.read_text()) == json.loads(rd.consumer_plan(1).read_text())["position_after"]
     assert backlog(rd).samples == 8 and backlog(rd).position_step == 1
     checkpoint = c.position_after(1)
     c.plan(2, 4, timeout_s=1)
-    assert backlog(rd).samples == 4 and planned.resolve() == rd.consumer_plan(2).resolve()
+    assert backlog(rd).samples == 4 and backlog(rd).position_step == 2
     c2 = ConsumerGroup(rd)
     c2.resume(checkpoint)  # the planned position moves back with the chain
     assert not planned.is_symlink() and backlog(rd).samples == 8

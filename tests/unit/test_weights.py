@@ -355,3 +355,32 @@ def test_is_new_sees_folders_beyond_a_lagging_latest_and_then_trusts_its_own_com
     assert not pub.is_new(4)
     monkeypatch.setattr(publisher, "complete_versions", lambda _rd: pytest.fail("read the disk"))
     assert pub.is_new(5)
+
+
+def test_poll_rereads_latest_when_its_stat_looks_unchanged(rd):
+    """A network client's attribute cache can show LATEST's old stat for its whole timeout; poll still reads the
+    file (opened by name: close-to-open) every REREAD_S, so a new version is seen within REREAD_S. Emulated on the
+    local disk by rewriting LATEST in place with content of the same size and its old mtime restored."""
+    import os
+    import time
+
+    from relax_hpc.weights.reader import REREAD_S
+
+    pub = SnapshotPublisher(rd, keep_last=5)
+    for v in (3, 4):
+        pub.publish({"w": torch.full((4,), float(v))}, v, v)
+    latest = rd.weights_latest
+    text = latest.read_text()
+    latest.write_text(text.replace('"version": 4', '"version": 3').replace("v000004", "v000003"))
+    reader = SnapshotReader(rd)
+    assert reader.poll() == 3
+    reader.load(3)
+    st = os.stat(latest)
+    assert len(text) == st.st_size
+    with open(latest, "r+") as f:  # same inode, same size, same mtime: a stat cannot tell
+        f.write(text)
+    os.utime(latest, ns=(st.st_atime_ns, st.st_mtime_ns))
+    deadline = time.monotonic() + REREAD_S + 2
+    while reader.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reader.poll() == 4

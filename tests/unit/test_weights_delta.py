@@ -214,3 +214,23 @@ def test_threaded_reconstruction_is_bit_exact_and_detects_damage(tmp_path: Path,
     _flip(rd.snapshot(4) / DELTA_FILE, piece["offset"] + piece["bytes"] // 2)
     with pytest.raises(SnapshotError, match="tensor 'w'"):
         load_snapshot(rd.snapshot(4), verify="size")
+
+
+def test_missing_base_falls_back_to_the_newest_intact_version(tmp_path: Path) -> None:
+    """The base of the newest deltas is gone (deleted by hand, or not yet visible on a late joiner's mount): the
+    reader loads the newest version that still reconstructs (an older full version's delta), not an error."""
+    import shutil
+
+    rd = RunDir.create(tmp_path / "run")
+    pub = SnapshotPublisher(rd, keep_last=10, delta=DeltaPolicy(every_full=3))
+    states = versions(6)
+    for i, sd in enumerate(states, 1):
+        pub.publish(sd, version=i, step=i)
+    pub.wait_housekeeping()
+    assert kinds(rd, [1, 2, 3, 4, 5, 6]) == [None, 1, 1, None, 4, 4]
+    shutil.rmtree(rd.snapshot(4))
+    with pytest.raises(SnapshotError, match=r"base snapshot .* is missing"):
+        load_snapshot(rd.snapshot(6))
+    snap = SnapshotReader(rd).load()  # v6 and v5 need the missing v4; v3 = v1 + its delta
+    assert snap.version == 3
+    assert all(torch.equal(snap.state_dict[k].view(torch.uint8), states[2][k].view(torch.uint8)) for k in states[2])
