@@ -311,6 +311,11 @@ def _measure_mix(a: argparse.Namespace, recipe: Path) -> dict[str, Any]:
     bad = [d for d in decoders if d not in ("auto", "generate", "slots", "vllm")]
     if bad or not decoders:
         raise UserError(f"--decoders {a.decoders!r}: expected a comma list of auto, generate, slots, vllm")
+    import importlib.util
+
+    if "vllm" in decoders and importlib.util.find_spec("vllm") is None:
+        raise UserError("--decoders vllm: the vllm package is not importable here (a GPU machine with vLLM: "
+                        "tools/gpu/README.md, carry)")
     if not 0 < a.vllm_memory < 1:
         raise UserError(f"--vllm-memory {a.vllm_memory}: give a share of the GPU's memory between 0 and 1")
     default = load_recipe(recipe, a.overrides).rollout.sampling.max_new_tokens
