@@ -14,7 +14,9 @@ sees: the requests of all ``--batches`` batches are submitted at once and each d
 ``auto,slots``: static batches of the loop, and the slot pool that keeps its ``batch_prompts x n_samples`` rows
 full) generates them all; per decoder: generation tokens/s, the decode-step occupancy (mean active rows / rows),
 the seconds decoding with < 25 % of the rows active, the response lengths (p50, p99, mean) and the critical path
-(the longest response).
+(the longest response). The decoder ``vllm`` is the peer: vLLM's offline ``LLM.generate`` in this process (the
+``vllm`` package importable here, a GPU), the same requests with the same drawn budgets, the model folder in the
+recipe's dtype, CUDA graphs unless ``--vllm-eager``, ``--vllm-memory`` of the GPU's memory for weights and KV cache.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def measure(recipe: Path, overrides: list[str], *, batches: int, warmup: int, th
 
 
 def measure_mix(recipe: Path, overrides: list[str], *, law: Any, decoders: list[str], batches: int, warmup: int,
-                threads: int) -> dict[str, Any]:
+                threads: int, vllm_opts: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every request of ``batches`` batches submitted at once to each decoder (``auto``, ``generate``: static
     batches on the policy's module; ``slots``: an engine with a slot pool), their budgets drawn from ``law``."""
     import torch
@@ -101,6 +103,9 @@ def measure_mix(recipe: Path, overrides: list[str], *, law: Any, decoders: list[
                            "batch": f"{cfg.rollout.batch_prompts} prompts x {cfg.rollout.n_samples} samples, "
                                     f"max_new_tokens at most {law.cap}", "decoders": decoders}
     for d in decoders:
+        if d == "vllm":
+            res.update(vllm_mix(cfg, prompts, sampling, law, warmup=warmup, opts=vllm_opts or {}))
+            continue
         engine = mix_engine(cfg, d, policy, threads)
         loop = asyncio.new_event_loop()
         try:
@@ -125,7 +130,57 @@ def measure_mix(recipe: Path, overrides: list[str], *, law: Any, decoders: list[
                     f"{d}_response_length_p99": pct["p99"], f"{d}_critical_path_tokens": pct["max"]})
     if "auto" in decoders and "slots" in decoders:
         res["slots_speedup"] = res["slots_tokens_per_s"] / res["auto_tokens_per_s"]
+    if "vllm" in decoders:
+        for d in ("auto", "slots"):
+            if d in decoders:
+                res[f"vllm_over_{d}"] = res["vllm_tokens_per_s"] / res[f"{d}_tokens_per_s"]
     res["machine"] = machine()
+    return res
+
+
+def vllm_mix(cfg: Any, prompts: list[list[Any]], sampling: Any, law: Any, *, warmup: int,
+             opts: dict[str, Any]) -> dict[str, Any]:
+    """The decoder ``vllm``: vLLM's ``LLM.generate`` on the same requests (prompt ids, n, sampling, the budget drawn
+    for each request id), all of the timed batches in one call, as :func:`_stream` submits them."""
+    import torch
+
+    from relax_hpc.bench.lengths import percentiles
+    from relax_hpc.errors import UserError
+
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt
+    except ImportError as exc:
+        raise UserError(f"--decoders vllm: vllm is not importable here ({exc})") from None
+    t_load = time.perf_counter()
+    llm = vllm.LLM(model=str(cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed,
+                   gpu_memory_utilization=opts.get("memory", 0.3), enforce_eager=opts.get("eager", False),
+                   max_model_len=cfg.data.max_prompt_tokens + law.cap)
+    load_s = time.perf_counter() - t_load
+
+    def run(batches: list[list[Any]], tag: str) -> list[Any]:
+        ids, params = [], []
+        for i, batch in enumerate(batches):
+            for k, p in enumerate(batch):
+                extra = {"top_k": sampling.top_k} if sampling.top_k > 0 else {}
+                params.append(vllm.SamplingParams(n=sampling.n, temperature=sampling.temperature,
+                                                  top_p=sampling.top_p, max_tokens=law.length(f"{tag}{i}-{k}"),
+                                                  **extra))
+                ids.append(TokensPrompt(prompt_token_ids=list(p.prompt_ids)))
+        return llm.generate(ids, params, use_tqdm=False)
+
+    if warmup:
+        run(prompts[:warmup], "w")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = run(prompts[warmup:], "t")
+    seconds = time.perf_counter() - t0
+    lengths = [len(c.token_ids) for r in out for c in r.outputs]
+    pct = percentiles(lengths)
+    res = {"vllm_version": vllm.__version__, "vllm_eager": bool(opts.get("eager", False)),
+           "vllm_load_s": load_s, "vllm_s": seconds, "vllm_tokens_per_s": sum(lengths) / seconds,
+           "vllm_response_tokens_mean": pct["mean"], "vllm_response_length_p50": pct["p50"],
+           "vllm_response_length_p99": pct["p99"], "vllm_critical_path_tokens": pct["max"]}
     return res
 
 
@@ -203,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                    "max_new_tokens, lognormal:mean=512,sigma=1.0,cap=4096, file:lengths.json): every request of the "
                    "timed batches at once, per-request max_new_tokens drawn from it")
     p.add_argument("--decoders", default="auto,slots", help="with --lengths: comma list of auto (static batches "
-                   "of the loop), generate (transformers.generate), slots (the slot pool)")
+                   "of the loop), generate (transformers.generate), slots (the slot pool), vllm (vLLM's "
+                   "LLM.generate, the peer; a GPU)")
+    p.add_argument("--vllm-memory", type=float, default=0.3, help="decoder vllm: share of the GPU's memory it "
+                   "takes (weights and KV cache)")
+    p.add_argument("--vllm-eager", action="store_true", help="decoder vllm: no CUDA graphs, no torch.compile")
     a = p.parse_args(argv)
     if a.batches < 1 or a.warmup < 0 or a.threads < 1:
         p.error("--batches and --threads must be >= 1, --warmup >= 0")
@@ -233,13 +292,20 @@ def _measure_mix(a: argparse.Namespace, recipe: Path) -> dict[str, Any]:
     from relax_hpc.errors import UserError
 
     decoders = [d for d in a.decoders.split(",") if d]
-    bad = [d for d in decoders if d not in ("auto", "generate", "slots")]
+    bad = [d for d in decoders if d not in ("auto", "generate", "slots", "vllm")]
     if bad or not decoders:
-        raise UserError(f"--decoders {a.decoders!r}: expected a comma list of auto, generate, slots")
+        raise UserError(f"--decoders {a.decoders!r}: expected a comma list of auto, generate, slots, vllm")
+    import importlib.util
+
+    if "vllm" in decoders and importlib.util.find_spec("vllm") is None:
+        raise UserError("--decoders vllm: the vllm package is not importable here (a GPU machine with vLLM: "
+                        "tools/gpu/README.md, carry)")
+    if not 0 < a.vllm_memory < 1:
+        raise UserError(f"--vllm-memory {a.vllm_memory}: give a share of the GPU's memory between 0 and 1")
     default = load_recipe(recipe, a.overrides).rollout.sampling.max_new_tokens
     law = parse_lengths(a.lengths, default)
     return measure_mix(recipe, a.overrides, law=law, decoders=decoders, batches=a.batches, warmup=a.warmup,
-                       threads=a.threads)
+                       threads=a.threads, vllm_opts={"memory": a.vllm_memory, "eager": a.vllm_eager})
 
 
 if __name__ == "__main__":

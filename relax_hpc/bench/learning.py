@@ -13,11 +13,19 @@ With an ``eval`` section in the recipe, each run also reports its held-out evalu
 first and last ``eval/accuracy`` (and ``eval/accuracy_thresholded``) with their weight versions and the whole curve,
 plus the largest ``train/mismatch_kl`` of any step and the run's wall time. ``--modes`` picks the modes (a proof of
 one mode at a time); ``--dry-run`` validates every run's recipe and checks its held-out set, and runs nothing.
+Every run also reports the mismatch KL's distribution over its steps (median, 90th percentile, each step's value)
+and its response lengths: their mean and largest, the engine's decode-step occupancy, and
+``most_finished_fraction``, the share of a static batch's decode steps that run with most of its rows already
+finished ((max - median) / max of each step's responses, summed over the steps).
+
+``--runs DIR[,DIR...]`` reads those figures from run dirs already there (finished or still running: a run started
+in the background, say) and launches nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import signal
 import statistics
@@ -28,6 +36,7 @@ from typing import Any
 
 from relax_hpc.bench.common import DEMO_RECIPE, ScratchDirs, interrupt, metric_value, report, run_guarded
 from relax_hpc.bench.pipeline import ModeRun, run_mode
+from relax_hpc.errors import UserError
 
 MODES = ("colocate", "fully_async")
 
@@ -54,8 +63,64 @@ def run_figures(run: ModeRun, *, last: int, mid: int) -> dict[str, Any]:
         "stale_dropped_per_step": sum(metric_value(by_step[s], "rollout/stale_dropped") for s in steps)
         / len(steps),
         "mismatch_kl_max": max((metric_value(by_step[s], "train/mismatch_kl") for s in steps), default=float("nan")),
+        "finished": run.finished,
+        **mismatch_figures([by_step[s] for s in steps]),
+        **length_figures([by_step[s] for s in steps]),
         **eval_figures(run.run_dir),
     }
+
+
+def quantile(vals: list[float], q: float) -> float:
+    """The ``q`` quantile of ``vals`` (nearest rank; nan for none)."""
+    vals = sorted(v for v in vals if math.isfinite(v))
+    return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else float("nan")
+
+
+def mismatch_figures(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """``train/mismatch_kl`` over the steps: median, 90th percentile and each step's value (in step order)."""
+    kl = [metric_value(m, "train/mismatch_kl") for m in metrics if "train/mismatch_kl" in m]
+    return {"mismatch_kl_median": quantile(kl, 0.5), "mismatch_kl_p90": quantile(kl, 0.9),
+            "mismatch_kl_per_step": [float(f"{v:.3g}") for v in kl]}
+
+
+def length_figures(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The response lengths over the steps and how many decode steps ran with most rows finished."""
+    mean = [metric_value(m, "rollout/response_length") for m in metrics if "rollout/response_length" in m]
+    p50 = [metric_value(m, "rollout/response_length_p50") for m in metrics]
+    top = [metric_value(m, "rollout/response_length_max") for m in metrics]
+    occ = [metric_value(m, "perf/decode_occupancy") for m in metrics if "perf/decode_occupancy" in m]
+    pairs = [(a, b) for a, b in zip(p50, top) if math.isfinite(a) and math.isfinite(b) and b > 0]
+    return {"response_length_mean": sum(mean) / len(mean) if mean else float("nan"),
+            "response_length_p50_median": quantile(p50, 0.5),
+            "response_length_max": max(top, default=float("nan")),
+            "decode_occupancy_mean": sum(occ) / len(occ) if occ else float("nan"),
+            "most_finished_fraction": (sum(b - a for a, b in pairs) / sum(b for _, b in pairs)) if pairs
+            else float("nan")}
+
+
+def figures_of_run_dirs(dirs: list[Path], *, last: int, mid: int | None) -> dict[str, Any]:
+    """The figures of run dirs already there (``--runs``), per mode, as the benchmark reports its own runs."""
+    from relax_hpc.bench.pipeline import read_mode_run
+    from relax_hpc.config.load import validate_dict
+    from relax_hpc.fsio import read_json
+    from relax_hpc.rundir import RunDir
+
+    per_run: dict[str, list[dict[str, Any]]] = {}
+    num_steps = 0
+    for d in dirs:
+        rd = RunDir(d)
+        data = read_json(rd.config, default=None)
+        if not isinstance(data, dict):
+            raise UserError(f"{d} is not a run dir (no {rd.config.name})")
+        cfg = validate_dict(data)
+        num_steps = max(num_steps, cfg.num_steps)
+        run = read_mode_run(rd, cfg, code=-1)
+        m = mid or max(1, cfg.num_steps * 3 // 8)
+        per_run.setdefault(cfg.mode, []).append({"seed": cfg.seed, "run_dir": str(d),
+                                                 **run_figures(run, last=last, mid=m), "wall_s": float("nan")})
+    return {"benchmark": "learning", "recipe": ",".join(str(d) for d in dirs), "overrides": [],
+            "seeds": sorted({r["seed"] for runs in per_run.values() for r in runs}), "num_steps": num_steps,
+            "last": last, "mid": mid, "runs": per_run, **compare(per_run)}
 
 
 def eval_figures(run_dir: Any) -> dict[str, Any]:
@@ -116,6 +181,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run (default: both)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate each run's recipe and check its held-out set; run nothing")
+    p.add_argument("--runs", default=None, metavar="DIR[,DIR...]",
+                   help="report the figures of these run dirs (finished or running); launch nothing")
     a = p.parse_args(argv)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not a.modes or any(m not in MODES for m in a.modes):
@@ -143,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.dry_run:
         return dry_run(recipe, common, a)
+    if a.runs is not None:
+        return report_run_dirs(a)
 
     def body() -> dict[str, Any]:
         num_steps = load_recipe(recipe, common).num_steps
@@ -163,6 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(res, int):
         return res
     return report(res, dirs, as_json=a.json, text=print_text)
+
+
+def report_run_dirs(a: argparse.Namespace) -> int:
+    """``--runs``: the figures of run dirs already there."""
+    dirs = [Path(d.strip()) for d in a.runs.split(",") if d.strip()]
+    try:
+        res = figures_of_run_dirs(dirs, last=a.last, mid=a.mid)
+    except (UserError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print_text(res)
+    return 0
 
 
 def dry_run(recipe: Path, common: list[str], a: argparse.Namespace) -> int:

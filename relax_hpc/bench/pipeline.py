@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_hpc.bench.common import (
     DEMO_RECIPE,
@@ -62,6 +62,9 @@ from relax_hpc.bench.common import (
 from relax_hpc.bench.gpus import GpuLayout, GpuSampler, one_role
 from relax_hpc.bench.step import SHAPES as STEP_SHAPES
 from relax_hpc.rundir import RunDir
+
+if TYPE_CHECKING:
+    from relax_hpc.config.schema import RecipeConfig
 
 TIMING = ("trainer event-log timestamps from the end of step 1 to the end of the last step; process start-up, the "
           "supervised warm-up and step 1 are excluded")
@@ -125,9 +128,14 @@ def run_mode(recipe: Path, overrides: list[str], root: Path, *, timeout_s: float
         local.terminate(procs, timeout_s=30)
     if code == 130:  # interrupted: supervise stopped the roles
         raise KeyboardInterrupt
+    return read_mode_run(run_dir, cfg, code)
+
+
+def read_mode_run(run_dir: RunDir, cfg: RecipeConfig, code: int) -> ModeRun:
+    """The metric records of a run dir (finished or still running) as a :class:`ModeRun`."""
     from relax_hpc.roles.spec import main_proc  # the process logging the step metrics, from the role table
-    main = main_proc(cfg)
-    recs = read_records(run_dir, main)
+
+    recs = read_records(run_dir, main_proc(cfg))
     steps = [r for r in recs if r.get("kind") == "metrics" and (r.get("step") or 0) >= 1
              and "perf/step_time" in r.get("metrics", {})]
     finished = any(r.get("kind") == "event" and r.get("event") == "finished" for r in recs)

@@ -54,6 +54,10 @@ def test_help_and_readme_name_every_target(tmp_path) -> None:
     (["multi-gpu", "x3"], "not 'x3'"),
     (["multi-gpu", "x4", "3"], "give 1 or 2"),
     (["carry", "plan", "--out", "/nonexistent/carry"], "no manifest"),
+    (["proof", "go"], "proof: give start or collect"),
+    (["proof", "start", "0", "x"], "seed 'x' is not a number"),
+    (["proof", "collect", "soon"], "WAIT_S 'soon' is not a number"),
+    (["vllm", "serve"], "vllm: unknown part serve"),
 ])
 def test_bad_targets_and_arguments_get_one_error_line(tmp_path, args, message) -> None:
     r = suite(*args, out=tmp_path / "o")

@@ -111,6 +111,18 @@ def test_bench_step_bad_lengths_is_one_error_line() -> None:
     assert r.returncode == 2 and r.stderr.startswith("error: --lengths") and "Traceback" not in r.stderr, r.stderr
 
 
+def test_bench_generate_vllm_decoder_without_vllm_is_one_error_line() -> None:
+    """``--decoders vllm`` where vLLM is not importable (this machine) and a bad ``--vllm-memory``: one line each."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        r = cli("bench", "generate", "--lengths", "uniform", "--decoders", "auto,vllm", "--batches", "1", timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith("error: --decoders vllm: the vllm package is not importable")
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    r = cli("bench", "generate", "--lengths", "uniform", "--decoders", "auto", "--vllm-memory", "1.5", timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: --vllm-memory 1.5") and "Traceback" not in r.stderr
+
+
 @pytest.mark.slow
 def test_bench_generate_on_a_bench_step_shape(tmp_path: Path) -> None:
     """``--shape`` builds bench step's recipe (it lacked fields bench step's recipe reads, and failed) and, with a

