@@ -172,6 +172,12 @@ class RecipeConfig(Section):
     eval: EvalConfig | None = None
     """Evaluation on a held-out set during training (None = none); see :mod:`relax_hpc.config.eval`."""
 
+    @property
+    def colocated(self) -> bool:
+        """Generation and training take turns in one role (``colocate``), rather than overlapping in separate roles:
+        the layers below the role table (relax_hpc/roles/spec.py, ``ModeSpec.overlapped``) ask this, not the name."""
+        return self.mode == "colocate"
+
     @model_validator(mode="after")
     def _lora_backend(self) -> RecipeConfig:
         if self.model.lora is not None and self.trainer.backend != "torch":
@@ -190,7 +196,7 @@ class RecipeConfig(Section):
         partial = self.rollout.partial
         if partial is None:
             return self
-        if self.mode != "colocate":
+        if not self.colocated:
             raise ValueError("rollout.partial: only mode colocate (fully_async workers already overlap steps); drop "
                              "rollout.partial")
         if self.rollout.env is not None:
@@ -206,10 +212,10 @@ class RecipeConfig(Section):
         if not isinstance(self.rollout, ServerRolloutBase):
             return self
         level = self.rollout.server.sleep_level
-        if self.mode == "fully_async" and level:
+        if not self.colocated and level:
             raise ValueError(f"rollout.server.sleep_level={level}: only colocate puts its servers to sleep (in "
                              "fully_async they generate while the trainer trains); drop it or use mode: colocate")
-        if self.mode == "colocate" and self.weights.publish_every != 1:
+        if self.colocated and self.weights.publish_every != 1:
             raise ValueError(f"weights.publish_every={self.weights.publish_every}: in colocate a server engine loads "
                              "every version from its snapshot files; use 1")
         return self

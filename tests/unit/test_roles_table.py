@@ -155,7 +155,14 @@ ALLOWED: dict[str, set[str]] = {
     # bench/pipeline.py compares the two modes it runs (its own layout per mode, not a dispatch); that benchmark is
     # being rewritten on the rollout driver. Remove this entry then: it must then read the table too.
     "relax_hpc/bench/pipeline.py": {'if mode == "colocate":'},
+    # the config's one view of the mode for the layers below the table (checked against it below)
+    "relax_hpc/config/schema.py": {'return self.mode == "colocate"'},
 }
+
+
+def test_the_configs_colocated_is_the_tables_not_overlapped() -> None:
+    for name, mode in roles.MODES.items():
+        assert cfg_for(name).colocated is (not mode.overlapped), name
 
 
 def is_switch(line: str) -> bool:

@@ -55,7 +55,7 @@ def _gpu_env(cfg: RecipeConfig, index: int, device: str = "cuda") -> dict[str, s
 
     gpus = cfg.rollout.server.gpus_per_server or cfg.rollout.server.tp_size
     visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g != ""]
-    if cfg.mode == "colocate" and gpus == 1:
+    if cfg.colocated and gpus == 1:
         return {"CUDA_VISIBLE_DEVICES": colocate_gpu(device, visible)}
     if not visible:
         return {}
@@ -157,7 +157,7 @@ def sleep_level(cfg: RecipeConfig) -> int:
     """How deep a server of this recipe sleeps while the trainer trains (0 = never: fully_async, or set so)."""
     from relax_hpc.config.schema import ServerRolloutBase
 
-    if cfg.mode != "colocate" or not isinstance(cfg.rollout, ServerRolloutBase):
+    if not cfg.colocated or not isinstance(cfg.rollout, ServerRolloutBase):
         return 0
     level = cfg.rollout.server.sleep_level
     return COLOCATE_SLEEP_LEVEL if level is None else int(level)
@@ -170,7 +170,7 @@ def memory_share(cfg: RecipeConfig) -> float | None:
     if not isinstance(cfg.rollout, ServerRolloutBase):
         return None
     share = cfg.rollout.server.gpu_memory_utilization
-    return COLOCATE_MEMORY_SHARE if share is None and cfg.mode == "colocate" else share
+    return COLOCATE_MEMORY_SHARE if share is None and cfg.colocated else share
 
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

@@ -74,7 +74,7 @@ def _old_keys(cfg: RecipeConfig) -> list[str]:
 def _translate(cfg: RecipeConfig) -> Transport:
     """``auto`` (and the deprecated keys) -> the transport of this mode and engine."""
     w = cfg.weights
-    if cfg.mode == "colocate":  # the hf engine lives in the trainer's process; a server loads the files
+    if cfg.colocated:  # the hf engine lives in the trainer's process; a server loads the files
         server = isinstance(cfg.rollout, ServerRolloutBase)
         return FilesTransport(kind="files") if server else MemoryTransport(kind="memory")
     if isinstance(cfg.rollout, ServerRolloutBase):
@@ -119,10 +119,10 @@ def _check(cfg: RecipeConfig, kind: str) -> None:
         raise ConfigError(f"weights.transport.kind={kind}: not a transport of mode {cfg.mode} (use "
                           f"{' or '.join(('auto', *allowed))})")
     server = cfg.rollout.engine in SERVER_ENGINES
-    if cfg.mode == "colocate" and kind == "memory" and server:
+    if cfg.colocated and kind == "memory" and server:
         raise ConfigError(f"weights.transport.kind=memory: rollout.engine={cfg.rollout.engine} generates in its own "
                           "server process; in colocate it loads each version's files (use files or auto)")
-    if cfg.mode == "colocate" and kind == "files" and not server:
+    if cfg.colocated and kind == "files" and not server:
         raise ConfigError("weights.transport.kind=files: in colocate the hf engine generates with the trainer's own "
                           "weights (use memory or auto)")
     if kind == "process_group" and server:
@@ -149,7 +149,7 @@ def make_sender(cfg: RecipeConfig, session: TrainerSession, *, run_dir: RunDir, 
         from relax_hpc.weights.transport.memory import MemorySender
 
         return MemorySender(files, engine, call, run_dir=run_dir, publish_every=every, events=events)
-    if isinstance(t, FilesTransport) and cfg.mode == "colocate":  # a server engine in this process
+    if isinstance(t, FilesTransport) and cfg.colocated:  # a server engine in this process
         if engine is None or call is None:
             raise ValueError("weights.transport=files in colocate needs the engine and its loop")
         from relax_hpc.weights.transport.files import EngineFilesSender
