@@ -67,8 +67,8 @@ def test_staged_dir_fsyncs_every_file_but_those_declared_durable(tmp_path: Path,
     import relax_hpc.fsio as fsio
 
     synced: list[str] = []
-    real = fsio._fsync_file
-    monkeypatch.setattr(fsio, "_fsync_file", lambda p: (synced.append(p.name), real(p)))
+    real = fsio.fsync_file
+    monkeypatch.setattr(fsio, "fsync_file", lambda p: (synced.append(p.name), real(p)))
     durable: set[str] = set()
     with staged_dir(tmp_path / "v1", durable=durable) as d:
         (d / "sub").mkdir()

@@ -61,8 +61,8 @@ def test_bench_store_writers_simulation(tmp_path: Path, capsys: pytest.CaptureFi
     for r in rows:
         assert r["steps"] == 6 and r["samples_per_step"] == 64 and r["plan_ms_p50"] > 0
         # consumed shards (and their announcements) are deleted at each commit: live files stay bounded by the
-        # backlog, not the run's length; each live shard has one announcement
-        assert r["files_alive_end"] <= r["files_alive_max"] <= 2 * (4 * r["shards_per_step"] + 8)
+        # backlog, not the run's length; each live shard has one announcement, each writer one head file
+        assert r["files_alive_end"] <= r["files_alive_max"] <= 2 * (4 * r["shards_per_step"] + 8) + r["writers"]
         # the first plan lists every writer folder, the others read the announcement index
         assert r["full_scans"] >= 1 and r["plans_from_index"] >= r["steps"]
         assert r["run_dir_entries_end"] >= r["writers"]  # one folder per writer identity
