@@ -6,8 +6,13 @@ GPU). Each test also carries the marker of its folder, so ``-m "not integration"
 same thing; helpers shared by several test modules live in ``tests/helpers`` (never imported from a test module).
 
 Under pytest-xdist (``-n N --dist loadgroup``, as tools/test.sh runs the suite) a module's tests stay on one worker,
-so module-scoped fixtures (a started vLLM server, a Slurm run) start once; the ``slurm`` and ``netfs`` tiers share
-one worker, so their jobs never queue behind each other on the small local cluster.
+so module-scoped fixtures (a started vLLM server, a Slurm run) start once; the ``slurm`` tier runs on one worker, so
+its jobs never queue behind each other on the small local cluster, and the ``netfs`` tier on one other.
+
+Several tests at once share few cores: OpenMP threads that spin while they wait for work (libgomp's default) take
+the cores from the other tests' processes (three 2-thread torch processes on 2 cores ran 11x slower than with
+``OMP_WAIT_POLICY=PASSIVE``). Under xdist every process of the suite gets ``OMP_WAIT_POLICY=PASSIVE`` and one
+OpenMP thread unless the environment says otherwise (set here, before torch is imported, so children inherit it).
 """
 
 from __future__ import annotations
@@ -23,27 +28,29 @@ import pytest
 
 from relax_hpc.rundir import RunDir
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 TIER_MARKS = {"integration": "integration", "slurm": "slurm", "netfs": "netfs", "gpu": "gpu"}
 
 
 SERIAL_TIERS = {"slurm", "netfs"}
+"""Tiers whose tests all run on one worker (one group per tier), ahead of the others."""
 
 
-KNOWN_FAILING = {
-    "tests/integration/test_engine_vllm_conformance.py::test_pause_holds_and_resume_continues_with_new_weights":
-        "timed out in CI on 2026-12-05 while xdist groups were not applied (issue 27)",
-}
+KNOWN_FAILING: dict[str, str] = {}
 """Conformance-suite tests (defined in tests/helpers) known to fail in one engine's module, with the reason."""
 
 COSTS = Path(__file__).with_name("group_costs.json")
 """Wall seconds of each xdist group in a measured run of the suite (``python tools/test_times.py FILE --write``)."""
 TIER_COST = {"integration": 60.0, "gpu": 1.0, "unit": 5.0}
-"""The cost of a group not in COSTS, by tier. The cluster group (serial, the longest) always goes first."""
+"""The cost of a group not in COSTS, by tier. The serial tiers' groups always go first."""
 
 
 def _group(path: Path) -> str:
     tier = path.parent.name
-    return "cluster" if tier in SERIAL_TIERS else f"{tier}/{path.stem}"
+    return tier if tier in SERIAL_TIERS else f"{tier}/{path.stem}"
 
 
 def _costs() -> dict[str, float]:

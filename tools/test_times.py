@@ -3,8 +3,8 @@
   RELAX_TEST_TIMES=/tmp/times.jsonl bash tools/test.sh ...
   python tools/test_times.py /tmp/times.jsonl [--top 25]
 
-Prints the slowest tests, and wall and CPU seconds summed by module and by xdist group (a module, or ``cluster``
-for the slurm and netfs tiers, which share one worker): the largest group bounds the suite's wall time from below,
+Prints the slowest tests, and wall and CPU seconds summed by module and by xdist group (a module, or the tier for
+the slurm and netfs tiers, each on one worker): the largest group bounds the suite's wall time from below,
 the CPU sum over the cores bounds it too.
 """
 
@@ -20,9 +20,10 @@ COSTS = ROOT / "tests" / "group_costs.json"
 
 
 def group(test: str) -> str:
-    path = test.split("::")[0]
-    parts = path.split("/")
-    return "cluster" if len(parts) > 2 and parts[1] in ("slurm", "netfs") else path
+    """The test's xdist group, as tests/conftest.py names it: its tier for the serial tiers, else tier/module."""
+    parts = test.split("::")[0].removesuffix(".py").split("/")
+    tier, module = parts[-2], parts[-1]
+    return tier if tier in ("slurm", "netfs") else f"{tier}/{module}"
 
 
 def main() -> None:

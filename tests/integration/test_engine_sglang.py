@@ -369,7 +369,6 @@ def test_health_while_paused(served, loop):
     assert loop.run(engine.health(), timeout=60).ok
 
 
-@pytest.mark.xfail(strict=False, reason="failed in CI on 2026-12-05 while xdist groups were not applied (issue 27)")
 def test_fast_path_failure_destroys_the_group(served, loop):
     """The trainer joins the group, then goes away without broadcasting: the server's receive fails (HTTP 400), the
     engine releases the server's group (``/destroy_weights_update_group``: a group left behind holds a dead

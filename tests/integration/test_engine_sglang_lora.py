@@ -88,7 +88,6 @@ def test_adapter_versions_load_by_path_and_requests_name_them(served, loop):
         assert r.status_code == 400 and "does not exist" in r.json()["error_message"]
 
 
-@pytest.mark.xfail(strict=False, reason="failed in CI on 2026-12-05 while xdist groups were not applied (issue 27)")
 def test_standin_refuses_lora_requests_as_sglang_does(served, loop):
     engine, rd, cfg, _ = served
     with httpx.Client(timeout=30) as c:

@@ -62,7 +62,6 @@ def test_eval_during_colocate_and_after_the_fact(tmp_path: Path) -> None:
     assert "1 snapshot" in again.stdout or "v1" in again.stdout
 
 
-@pytest.mark.xfail(strict=False, reason="failed in CI on 2026-12-05 while xdist groups were not applied (issue 27)")
 @pytest.mark.integration
 def test_eval_during_fully_async_on_a_rollout_worker(tmp_path: Path) -> None:
     run = tmp_path / "run"

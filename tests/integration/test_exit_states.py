@@ -54,7 +54,6 @@ def status_state(run: Path) -> str:
     return m.group(1)
 
 
-@pytest.mark.xfail(strict=False, reason="failed in CI on 2026-12-05 while xdist groups were not applied (issue 27)")
 @pytest.mark.integration
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_launcher_ends_the_run_interrupted_and_resume_says_where(tmp_path: Path, sig: int) -> None:

@@ -66,7 +66,6 @@ def _fresh(hidden: tuple[Path, Path], name: str) -> tuple[RunDir, RunDir]:
     return rd_a, RunDir(b / rd_a.root.relative_to(a))
 
 
-@pytest.mark.xfail(strict=False, reason="failed in CI on 2026-12-05 while xdist groups were not applied (issue 27)")
 def test_snapshot_seen_across_cache_hiding_mounts_within_reread_interval(hidden: tuple[Path, Path]) -> None:
     rd_a, rd_b = _fresh(hidden, "snap")
     pub = SnapshotPublisher(rd_a, keep_last=3)

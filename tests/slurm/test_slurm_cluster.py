@@ -216,7 +216,6 @@ def test_usr2_before_the_limit_requeues_and_resumes(runs: Callable[..., Any], st
     assert "requeueing job" in rd.slurm_output("colocate", job_id).read_text()
 
 
-@pytest.mark.xfail(strict=False, reason="failed in CI on 2026-12-05 while xdist groups were not applied (issue 27)")
 @pytest.mark.slow
 def test_time_limit_signal_from_slurm_requeues(runs: Callable[..., Any], standin: str) -> None:
     """The real thing: --signal=USR2@50 with a 1-minute limit; slurmctld signals the steps, the job requeues."""
