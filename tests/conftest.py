@@ -103,6 +103,15 @@ def rd(tmp_path: Path) -> RunDir:
     return RunDir.create(tmp_path / "run")
 
 
+_OUTCOMES: dict[str, str] = {}
+"""The outcome of each phase of a test that did not pass (``failed``, ``skipped``), for the times log."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.outcome != "passed" and report.nodeid not in _OUTCOMES:
+        _OUTCOMES[report.nodeid] = f"{report.outcome} ({report.when})"
+
+
 def _cpu_seconds() -> float:
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
@@ -120,6 +129,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     t0, c0 = time.monotonic(), _cpu_seconds()
     yield
     rec = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2), "cpu_s": round(_cpu_seconds() - c0, 2),
-           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "end": round(time.time(), 1)}
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "end": round(time.time(), 1),
+           "outcome": _OUTCOMES.pop(item.nodeid, "passed")}
     with open(out, "a") as f:
         f.write(json.dumps(rec) + "\n")

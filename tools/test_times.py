@@ -43,6 +43,9 @@ def main() -> None:
         gwall[group(r["test"])] += r["wall_s"]
         gcpu[group(r["test"])] += r["cpu_s"]
     print(f"{len(rows)} tests: wall {sum(wall.values()):.0f} s summed, CPU {sum(cpu.values()):.0f} s")
+    for r in rows:
+        if r.get("outcome", "passed") != "passed":
+            print(f"  {r['outcome']}: {r['test']}")
     print(f"\nslowest {a.top} tests (wall s, CPU s)")
     for r in sorted(rows, key=lambda r: -r["wall_s"])[:a.top]:
         print(f"{r['wall_s']:8.1f} {r['cpu_s']:8.1f}  {r['test']}")

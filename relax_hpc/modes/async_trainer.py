@@ -115,9 +115,11 @@ class AsyncTrainer:
             hb.beat(step=trainer.step, version=self.session.version)
             log.info("step %d/%d reward %.3f (%.2fs, waited %.2fs)", trainer.step, cfg.num_steps,
                      metrics["rollout/reward"], step_time, got.wait)
-        self.sender.close()
         total = time.perf_counter() - t_run
-        return end_trainer_role(self.r, dict, {"train_seconds": total, "train_wait_seconds": wait_total})
+        try:  # the link closes after STATUS.json is written: a worker then reads the closed link as the run's end
+            return end_trainer_role(self.r, dict, {"train_seconds": total, "train_wait_seconds": wait_total})
+        finally:
+            self.sender.close()
 
     def gather(self) -> Gathered:
         """Plan, read, prepare and accumulate groups as they arrive until the step has ``prompts_per_step``."""

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,31 @@ def cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> 
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "relax_hpc", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=REPO)
+
+
+def submit_detached(recipe: Path, run: Path, *args: str) -> int:
+    """``relax-hpc submit RECIPE --executor local --detach``: the run started in the background; the pid of its
+    first process (the colocate process of a colocate run)."""
+    proc = cli("submit", str(recipe), "--executor", "local", "--run-dir", str(run), "--detach", *args, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return int(json.loads((run / "launch.json").read_text())["procs"][0]["pid"])
+
+
+def sigterm_when(pid: int, ready: Callable[[], bool], *, timeout_s: float = 300, exit_timeout_s: float = 120) -> None:
+    """SIGTERM ``pid`` once ``ready()`` (polled every 0.1 s; at ``timeout_s`` anyway), then wait for it to end;
+    AssertionError if it is still alive ``exit_timeout_s`` after the signal."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and not ready():
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + exit_timeout_s
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} did not stop within {exit_timeout_s:.0f} s of its SIGTERM")
 
 
 def metrics(run_dir: Path, proc: str) -> list[dict[str, Any]]:

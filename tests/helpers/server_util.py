@@ -103,3 +103,18 @@ def publish_adapter(rd: Any, model_dir: Path, lora: Any, version: int, seed: int
         adapter_state(peft), version, version, model_config=conf,
         adapter={"config": adapter_config(peft), "base": ident})
     return folder, peft.eval()
+
+
+def skip_module_without_vllm() -> None:
+    """At a vLLM test module's top: skip the module when the vLLM server venv is missing (tools/install.sh --vllm),
+    or fail under ``RELAX_REQUIRE_VLLM=1``."""
+    import os
+
+    import pytest
+
+    from relax_hpc.rollout.server.vllm import vllm_venv_python
+
+    if vllm_venv_python() is None:
+        if os.environ.get("RELAX_REQUIRE_VLLM") == "1":
+            raise RuntimeError("RELAX_REQUIRE_VLLM=1 but the vLLM venv is missing: bash tools/install.sh --vllm")
+        pytest.skip("no vLLM venv (bash tools/install.sh --vllm)", allow_module_level=True)

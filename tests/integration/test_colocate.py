@@ -4,16 +4,11 @@ resume continues with no sample consumed twice or lost; the run dir records ever
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.runutil import DEMO, REPO, cli, events, metrics, rewards
+from tests.helpers.runutil import DEMO, cli, events, metrics, rewards, sigterm_when, submit_detached
 
 SHORT = ["--set", "rollout.prompts_per_step=8", "--set", "trainer.checkpoint_every=5"]
 
@@ -52,24 +47,10 @@ def test_sigterm_checkpoints_and_resume_consumes_each_group_once(tmp_path: Path)
     run = tmp_path / "run"
     steps_total = 24  # still running when the SIGTERM after step 4 lands, on a faster machine too
     args = ["--set", f"num_steps={steps_total}", "--set", "warmup.steps=2", "--set", "store.retention=keep", *SHORT]
-    p = subprocess.Popen([sys.executable, "-m", "relax_hpc", "submit", str(DEMO), "--executor", "local",
-                          "--run-dir", str(run), "--detach", *args], cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    assert p.wait(timeout=120) == 0
-    pid = json.loads((run / "launch.json").read_text())["procs"][0]["pid"]
-    deadline = time.time() + 300
-    while time.time() < deadline:  # wait until a few steps are done, then preempt
-        if (run / "logs/events/colocate-0.jsonl").exists() and len(rewards(run, "colocate-0")) >= 4:
-            break
-        time.sleep(0.2)
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
+    pid = submit_detached(DEMO, run, *args)
+    # a few steps done, then preempt
+    sigterm_when(pid, lambda: (run / "logs/events/colocate-0.jsonl").exists()
+                 and len(rewards(run, "colocate-0")) >= 4)
     ev = [e for e in events(run, "colocate-0") if e.get("event") == "preempted"]
     assert ev, "no preempted event"
     stopped_at = ev[-1]["step"]

@@ -21,19 +21,12 @@ import pytest
 
 from relax_hpc.rollout.engine import GenerateRequest, SamplingParams, SnapshotFolder
 from relax_hpc.rundir import RunDir
-from tests.helpers.server_util import LoopThread, hf_greedy, hf_model, recipe, recompute_logprobs
+from tests.helpers.server_util import hf_greedy, hf_model, recipe, recompute_logprobs
 
 pytestmark = [pytest.mark.integration]
 
 STANDIN = Path(__file__).parents[1] / "helpers" / "sglang_standin.py"
 PROMPT = [1, 5, 6, 7, 17]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module")

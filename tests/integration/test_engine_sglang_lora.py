@@ -16,20 +16,13 @@ import pytest
 
 from relax_hpc.rollout.engine import GenerateRequest, SamplingParams, SnapshotFolder
 from relax_hpc.rundir import RunDir
-from tests.helpers.server_util import TINY, LoopThread, hf_greedy, hf_model, publish_adapter, recompute_logprobs
+from tests.helpers.server_util import TINY, hf_greedy, hf_model, publish_adapter, recompute_logprobs
 
 pytestmark = [pytest.mark.integration]
 
 STANDIN = Path(__file__).resolve().parents[1] / "helpers" / "sglang_standin.py"
 PROMPT = [1, 5, 6, 7, 17]  # <bos> 1 2 3 =
 LORA = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module")

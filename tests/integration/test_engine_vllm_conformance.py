@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,10 +31,11 @@ import torch
 from relax_hpc.config.schema import ServerConfig
 from relax_hpc.rollout.engine import GenerateRequest, SamplingParams, SnapshotFolder, generate_all
 from relax_hpc.rollout.server.base import ServerSetup
-from relax_hpc.rollout.server.vllm import VLLMEngine, vllm_venv_python
+from relax_hpc.rollout.server.vllm import VLLMEngine
 from relax_hpc.rundir import RunDir
 from tests.helpers.engine_conformance import *  # noqa: F403 - the suite's tests run here
 from tests.helpers.engine_conformance import TOL, Harness, check_logprobs, prompts, recompute
+from tests.helpers.server_util import skip_module_without_vllm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,10 +46,7 @@ layers the engine finished 1500 tokens in well under the time the API server too
 sent mid-request (as the client saw it) found nothing left to cut; hidden 512 and 6 layers still lost the race once
 when the machine's load changed between the calibration and the test."""
 
-if vllm_venv_python() is None:
-    if os.environ.get("RELAX_REQUIRE_VLLM") == "1":
-        raise RuntimeError("RELAX_REQUIRE_VLLM=1 but the vLLM venv is missing: bash tools/install.sh --vllm")
-    pytest.skip("no vLLM venv (bash tools/install.sh --vllm)", allow_module_level=True)
+skip_module_without_vllm()
 
 
 def tiny_model() -> torch.nn.Module:

@@ -5,33 +5,28 @@ adapter of the engine's version (greedy tokens and log-probs as PEFT computes th
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 import pytest
 
 from relax_hpc.rollout.engine import GenerateRequest, SamplingParams, SnapshotFolder
-from relax_hpc.rollout.server.vllm import vllm_venv_python
 from relax_hpc.rundir import RunDir
-from tests.helpers.server_util import TINY, LoopThread, hf_greedy, hf_model, publish_adapter, recompute_logprobs
+from tests.helpers.server_util import (
+    TINY,
+    hf_greedy,
+    hf_model,
+    publish_adapter,
+    recompute_logprobs,
+    skip_module_without_vllm,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPT = [1, 5, 6, 7, 17]  # <bos> 1 2 3 =
 LORA = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
 
-if vllm_venv_python() is None:
-    if os.environ.get("RELAX_REQUIRE_VLLM") == "1":
-        raise RuntimeError("RELAX_REQUIRE_VLLM=1 but the vLLM venv is missing: bash tools/install.sh --vllm")
-    pytest.skip("no vLLM venv (bash tools/install.sh --vllm)", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
+skip_module_without_vllm()
 
 
 @pytest.fixture(scope="module")

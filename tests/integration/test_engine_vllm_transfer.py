@@ -18,23 +18,13 @@ import pytest
 
 from relax_hpc.rollout.server.vllm import vllm_venv_python
 from relax_hpc.rundir import RunDir
-from tests.helpers.server_util import LoopThread
+from tests.helpers.server_util import skip_module_without_vllm
 
 pytestmark = [pytest.mark.integration]
 
 RECORDER = Path(__file__).parents[1] / "helpers" / "vllm_rl_recorder.py"
 
-if vllm_venv_python() is None:
-    if os.environ.get("RELAX_REQUIRE_VLLM") == "1":
-        raise RuntimeError("RELAX_REQUIRE_VLLM=1 but the vLLM venv is missing: bash tools/install.sh --vllm")
-    pytest.skip("no vLLM venv (bash tools/install.sh --vllm)", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
+skip_module_without_vllm()
 
 
 def _engine(tmp: Path, *extra: str, **server: object):

@@ -8,16 +8,12 @@ prompts' dataset positions stored with the samples."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.runutil import DEMO, REPO, cli, events, metrics
+from tests.helpers.runutil import DEMO, cli, events, metrics, sigterm_when, submit_detached
 
 STEPS = 8
 ARGS = ["--set", f"num_steps={STEPS}", "--set", "warmup.steps=0", "--set", "rollout.prompts_per_step=8",
@@ -27,25 +23,14 @@ ARGS = ["--set", f"num_steps={STEPS}", "--set", "warmup.steps=0", "--set", "roll
         "--set", 'rollout.partial={"overprovision": 1.5}']
 
 
-def _stop_after(run: Path, steps: int, timeout_s: float = 120) -> int:
-    """SIGTERM the colocate process once it logged ``steps`` steps with groups in its carry buffer; its pid."""
-    pid = json.loads((run / "launch.json").read_text())["procs"][0]["pid"]
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if (run / "logs/events/colocate-0.jsonl").exists():
-            ms = [r["metrics"] for r in metrics(run, "colocate-0") if "rollout/reward" in r["metrics"]]
-            if len(ms) >= steps and ms[-1]["rollout/partial_carried_groups"] > 0:
-                break
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return pid
-        time.sleep(0.1)
-    raise AssertionError("the colocate process did not stop within 120 s of its SIGTERM")
+def _carrying_after(run: Path, steps: int) -> Callable[[], bool]:
+    """True once the colocate process logged ``steps`` steps with groups in its carry buffer."""
+    def ready() -> bool:
+        if not (run / "logs/events/colocate-0.jsonl").exists():
+            return False
+        ms = [r["metrics"] for r in metrics(run, "colocate-0") if "rollout/reward" in r["metrics"]]
+        return len(ms) >= steps and ms[-1]["rollout/partial_carried_groups"] > 0
+    return ready
 
 
 def _trained_positions(run: Path) -> tuple[list[tuple[int, int]], int]:
@@ -75,11 +60,7 @@ def _data_order(run: Path) -> list[int]:
 @pytest.mark.integration
 def test_partial_rollouts_train_each_prompt_once_across_carry_over_and_resume(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "relax_hpc", "submit", str(DEMO), "--executor", "local",
-                          "--run-dir", str(run), "--detach", *ARGS], cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    assert p.wait(timeout=120) == 0
-    _stop_after(run, 3)
+    sigterm_when(submit_detached(DEMO, run, *ARGS), _carrying_after(run, 3), timeout_s=120)
     ev = [e for e in events(run, "colocate-0") if e.get("event") == "preempted"]
     assert ev, "no preempted event"
     stopped_at = ev[-1]["step"]

@@ -17,21 +17,17 @@ venv unless ``RELAX_REQUIRE_VLLM=1``.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from relax_hpc.rollout.server.vllm import vllm_venv_python
 from tests.helpers.runutil import DEMO, cli, metrics
+from tests.helpers.server_util import skip_module_without_vllm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-if vllm_venv_python() is None:
-    if os.environ.get("RELAX_REQUIRE_VLLM") == "1":
-        raise RuntimeError("RELAX_REQUIRE_VLLM=1 but the vLLM venv is missing: bash tools/install.sh --vllm")
-    pytest.skip("no vLLM venv (bash tools/install.sh --vllm)", allow_module_level=True)
+skip_module_without_vllm()
 
 from tests.helpers.runutil import VLLM_DEMO  # noqa: E402
 

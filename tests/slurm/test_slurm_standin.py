@@ -10,7 +10,8 @@ keeps the role contract:
   3; at the end writes ``STATUS.json`` and exits 0. A trainer of a fully_async run first waits (bounded) for
   ``rollout.num_workers`` rollout heartbeats.
 * rollout: beats until ``STATUS.json`` appears (exit 0), a drain request arrives (exit 0) or SIGUSR2/SIGTERM (exit 3);
-  with STANDIN_ROLLOUT_FAIL=1 in its environment it fails at once (exit 1).
+  with STANDIN_ROLLOUT_FAIL=1 in its environment it fails (exit 1) as soon as the trainer runs (its signal handlers
+  set: a trainer still starting would die of the script's SIGUSR2 instead of checkpointing).
 
 Every incarnation logs an ``incarnation`` event with its Slurm ids and the step it resumed from.
 """
@@ -53,6 +54,10 @@ def main(argv: list[str]) -> int:
         log.event("incarnation", ntasks=os.environ.get("SLURM_NTASKS"), argv=argv)
         hb.beat(state="running")
         if os.environ.get("STANDIN_ROLLOUT_FAIL") == "1":  # set through launch.rollout.env by a test
+            trainer_up = run_dir.event_log("trainer-0")  # written after its signal handlers are set
+            end = time.monotonic() + 60
+            while not trainer_up.exists() and time.monotonic() < end:
+                time.sleep(0.1)
             log.event("failing")
             hb.stop("failed")
             return 1

@@ -68,6 +68,15 @@ def test_vllm_server_arguments() -> None:
     assert "--enable-sleep-mode" not in _engine("vllm", "cuda", 0, None).server_args(Path("/m"), 1)
     cpu = _engine("vllm", "cpu", 2, 0.5).server_args(Path("/m"), 1)  # the CPU build refuses --enable-sleep-mode
     assert "--enable-sleep-mode" not in cpu and cpu[cpu.index("--gpu-memory-utilization") + 1] == "0.1"
+    assert "--enforce-eager" in cpu and "--enforce-eager" not in gpu  # no compile warm-up on the CPU
+
+
+def test_a_cpu_server_compiles_when_the_extra_arguments_say_so() -> None:
+    from relax_hpc.rollout.server.process import build_argv
+
+    engine = _engine("vllm", "cpu", 0, None)
+    argv = build_argv("python -m vllm", engine.server_args(Path("/m"), 1), ["--no-enforce-eager"])
+    assert argv.index("--no-enforce-eager") > argv.index("--enforce-eager")  # argparse: the last one wins
 
 
 def test_vllm_cpu_server_threads_are_not_pinned(monkeypatch: pytest.MonkeyPatch) -> None:

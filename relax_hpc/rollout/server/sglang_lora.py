@@ -19,35 +19,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from relax_hpc.config.model import LoraConfig
-from relax_hpc.models.lora import adapter_name
 from relax_hpc.rollout.engine import SamplingParams
-from relax_hpc.rollout.server.base import ServerConfig, ServerError, ServerSetup
+from relax_hpc.rollout.server.base import ServerError
+from relax_hpc.rollout.server.lora import LoraAdapters
 from relax_hpc.rollout.server.sglang import SGLangEngine
 
 
-class SGLangLoraEngine(SGLangEngine):
-    def __init__(self, cfg: ServerConfig, setup: ServerSetup, *, lora: LoraConfig, keep: int) -> None:
-        super().__init__(cfg, setup)
-        self.lora = lora
-        self.keep = keep
-        """Adapter versions kept loaded (``max_staleness + 1``)."""
-        self._loaded: list[str] = []
-        """Adapter names loaded on the running server, oldest first."""
-
+class SGLangLoraEngine(LoraAdapters, SGLangEngine):
     def server_args(self, model_dir: Path, port: int) -> list[str]:
         return [*super().server_args(self.setup.model_dir, port), "--enable-lora", "--max-lora-rank",
                 str(self.lora.rank), "--lora-target-modules", *self.lora.target_modules,
                 "--max-loras-per-batch", str(self.keep)]
 
-    @property
-    def loaded(self) -> list[str]:
-        """The adapter versions loaded on the running server, oldest first."""
-        return list(self._loaded)
-
     def adapter_fields(self) -> dict[str, Any]:
-        name = adapter_name(self.version)
-        return {"lora_path": name} if name in self._loaded else {}
+        name = self.current_adapter()
+        return {"lora_path": name} if name else {}
 
     async def _post_generate(self, rid: str, ids: list[int], sp: SamplingParams, max_new: int, n: int,
                              media: dict[str, Any] | None = None
@@ -55,21 +41,11 @@ class SGLangLoraEngine(SGLangEngine):
         got = await super()._post_generate(rid, ids, sp, max_new, n, media)
         return [(toks, lps, reason, None) for toks, lps, reason, _ in got]  # the version the request named
 
-    def _on_start(self) -> None:
-        super()._on_start()
-        self._loaded = []  # a fresh server holds no adapter
+    async def _load_adapter(self, name: str, path: Path) -> None:
+        await self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 
-    def _loadable(self, folder: Path) -> Path:
-        return folder  # an adapter folder is what SGLang loads (no HF view of it)
-
-    async def _load_folder(self, path: Path, version: int) -> None:
-        name = adapter_name(version)
-        if name not in self._loaded:
-            await self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-            self._loaded.append(name)
-        for old in self._loaded[:-self.keep]:
-            await self._lora_call("/unload_lora_adapter", {"lora_name": old})
-            self._loaded.remove(old)
+    async def _unload_adapter(self, name: str) -> None:
+        await self._lora_call("/unload_lora_adapter", {"lora_name": name})
 
     async def _lora_call(self, path: str, body: dict[str, Any]) -> None:
         try:

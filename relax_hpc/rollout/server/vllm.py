@@ -99,6 +99,9 @@ class VLLMEngine(ServerEngine):
             args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
         if self._cpu:
             args += ["--gpu-memory-utilization", "0.1"]  # on the CPU: the share of host memory reserved
+            # no compile warm-up (a Dynamo trace of the model, ~30 s of every start on 2 cores) for the small models
+            # a CPU server runs; `rollout.server.extra_args: ["--no-enforce-eager"]` (appended after) compiles
+            args += ["--enforce-eager"]
         else:
             if s.gpu_memory_utilization is not None:
                 args += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relax_hpc.config.model import LoraConfig
-from relax_hpc.models.lora import adapter_name
-from relax_hpc.rollout.server.base import ServerConfig, ServerSetup
+from relax_hpc.rollout.server.lora import LoraAdapters
 from relax_hpc.rollout.server.vllm import SERVED_NAME, VLLMEngine
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -38,15 +36,7 @@ def max_lora_rank(rank: int) -> int:
     raise ValueError(f"model.lora.rank {rank}: vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
 
 
-class VLLMLoraEngine(VLLMEngine):
-    def __init__(self, cfg: ServerConfig, setup: ServerSetup, *, lora: LoraConfig, keep: int) -> None:
-        super().__init__(cfg, setup)
-        self.lora = lora
-        self.keep = keep
-        """Adapter versions kept loaded (``max_staleness + 1``)."""
-        self._loaded: list[str] = []
-        """Adapter names loaded on the running server, oldest first."""
-
+class VLLMLoraEngine(LoraAdapters, VLLMEngine):
     def server_args(self, model_dir: Path, port: int) -> list[str]:
         return [*super().server_args(self.setup.model_dir, port), "--enable-lora", "--max-loras", str(self.keep),
                 "--max-lora-rank", str(max_lora_rank(self.lora.rank))]
@@ -55,28 +45,15 @@ class VLLMLoraEngine(VLLMEngine):
         return {**super().server_env(), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
     def served_model(self) -> str:
-        name = adapter_name(self.version)
-        return name if name in self._loaded else SERVED_NAME
-
-    @property
-    def loaded(self) -> list[str]:
-        """The adapter versions loaded on the running server, oldest first."""
-        return list(self._loaded)
-
-    def _on_start(self) -> None:
-        super()._on_start()
-        self._loaded = []  # a fresh server holds no adapter
-
-    def _loadable(self, folder: Path) -> Path:
-        return folder  # an adapter folder is what vLLM loads (no HF view of it)
+        return self.current_adapter() or SERVED_NAME
 
     async def _load_folder(self, path: Path, version: int) -> None:
-        name = adapter_name(version)
-        if name not in self._loaded:
-            await self._json("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                             timeout=self.cfg.sync_timeout_s)
-            self._loaded.append(name)
-        for old in self._loaded[:-self.keep]:
-            await self._json("POST", "/v1/unload_lora_adapter", json={"lora_name": old})
-            self._loaded.remove(old)
+        await super()._load_folder(path, version)
         await self._json("POST", "/update_weight_version", json={"new_version": str(version)})
+
+    async def _load_adapter(self, name: str, path: Path) -> None:
+        await self._json("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                         timeout=self.cfg.sync_timeout_s)
+
+    async def _unload_adapter(self, name: str) -> None:
+        await self._json("POST", "/v1/unload_lora_adapter", json={"lora_name": name})

@@ -144,7 +144,8 @@ class EngineFilesSender(WeightSender):
 class SyncReceiver(WeightReceiver):
     """A receiver over :class:`~relax_hpc.rollout.weight_sync.WeightSync` (files, and its fast path if it has
     one): a fast path that worked and fails now is logged as event ``weight_fallback`` (the files are used), its
-    return as ``weight_fast_path_back``."""
+    return as ``weight_fast_path_back``; a link that ends with the run (STATUS.json written) as
+    ``weight_link_closed``."""
 
     def __init__(self, kind: str, sync: WeightSync, events: EventLog | None = None):
         self.kind = kind
@@ -165,6 +166,9 @@ class SyncReceiver(WeightReceiver):
             return
         if ok:
             self.events.event("weight_fast_path_back", f"weights.transport={self.kind}: new weights over its link")
+        elif self.sync.run_dir.status_file.exists():  # the trainer closed the link at the end of the run
+            self.events.event("weight_link_closed", f"weights.transport={self.kind}: the trainer closed its link "
+                              "at the end of the run")
         else:
             self.events.event("weight_fallback", f"weights.transport={self.kind}: no usable link; new weights come "
                               f"from the snapshot files (newest v{newest})", level="warning")
