@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite on a fresh machine: install, start a single-machine Slurm cluster (as root), run pytest.
 #   bash tools/test.sh [--proofs] [--vllm] [pytest args]
-# --proofs runs only the tests marked `proof` (full-length runs behind a figure the docs state, such as the whole
+# --proofs runs only the tests marked `proof` (long runs: full-length runs behind a figure the docs state, such as the whole
 # 800-step fully_async demo: tens of minutes on 2 cores); the default run (and CI) leaves them out.
 # Without root (no Slurm install possible), Slurm tests are skipped unless RELAX_REQUIRE_SLURM=1; likewise the
 # network-filesystem tests unless RELAX_REQUIRE_NETFS=1. As root, RELAX_NO_SLURM=1 / RELAX_NO_NETFS=1 skip starting

@@ -32,7 +32,8 @@ def _trajectory(run: Path, proc: str) -> tuple[list[float], list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize(("mode", "proc"), [("colocate", "colocate-0"), ("fully_async", "trainer-0")])
+@pytest.mark.parametrize(("mode", "proc"), [  # colocate in the proofs (CI time): test_envs_modes runs the env there
+    pytest.param("colocate", "colocate-0", marks=pytest.mark.proof), ("fully_async", "trainer-0")])
 def test_tiny_tool_recipe_learns_to_call_the_tool(tmp_path: Path, mode: str, proc: str) -> None:
     run = tmp_path / "run"
     out = cli("submit", str(RECIPE), "--executor", "local", "--run-dir", str(run), "--set", f"mode={mode}",

@@ -50,7 +50,7 @@ def test_tiny_omni_tones_reward_rises(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.slow
+@pytest.mark.proof  # CI time: the omni tones run above learns in CI, test_omni_runs runs the VL path
 def test_tiny_vl_red_squares_reward_rises(tmp_path):
     # chance with the format term: 0.4
     learns(tmp_path, "red_squares", "tiny-vl-red-squares.yaml", steps=80, first_below=0.7, last_at_least=0.6)

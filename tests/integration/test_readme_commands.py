@@ -40,6 +40,7 @@ NOT_RUN = {
     "bash tools/demo.sh": "the whole 800-step demo; its figures are checked against a short run below",
     "bash tools/test.sh": "the test suite itself (CI's .ci/run)",
     "bash tools/test.sh tests/unit": "the test suite itself (one tier of it)",
+    "bash tools/test.sh --proofs": "the test suite itself (its long runs, not in CI)",
     "python -m pytest tests/unit -x -q": "the test suite itself (one tier of it)",
     "ruff check .": "CI's lint (ruff check relax_hpc tests tools)",
     "relax-hpc bench store --json": "a benchmark; tests/unit/test_store_bench.py runs it at small sizes",

@@ -93,6 +93,7 @@ def store_accounting(run: Path, n_samples: int) -> int:
     return len(ids)
 
 
+@pytest.mark.proof  # CI time: test_demo_vllm_learns_on_slurm checks the same learning through Slurm
 def test_demo_vllm_learns_locally(tmp_path: Path) -> None:
     run = tmp_path / "run"
     t0 = time.monotonic()
@@ -105,6 +106,7 @@ def test_demo_vllm_learns_locally(tmp_path: Path) -> None:
     assert json.loads((run / "STATUS.json").read_text())["state"] == "completed"
 
 
+@pytest.mark.proof  # CI time: test_engine_vllm's tied-model test restarts the server on each snapshot
 def test_demo_two_workers_tied_model_completes(tmp_path: Path) -> None:
     """The demo in fully_async on the vllm engine as recipes/demo.yaml has it: two rollout workers, the tiny model tied
     (only its shape the one vLLM's CPU attention takes), ``rollout.device`` left at ``auto`` (the CPU here). A tied
