@@ -18,11 +18,14 @@ version as its step to the role's event log (and its TensorBoard/W&B sinks). A v
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relax_hpc.config.schema import RecipeConfig
 from relax_hpc.eval.evaluator import Evaluator, Runner, done_versions, write_result
 from relax_hpc.rundir import RunDir
+
+if TYPE_CHECKING:
+    from relax_hpc.weights.transport.base import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +74,10 @@ class EvalHook:
             return None
         return self._evaluate(version)
 
-    def at_start(self, sync: Any) -> dict[str, float] | None:
+    def at_start(self, sync: WeightReceiver) -> dict[str, float] | None:
         """fully_async, before the worker's first batch: the trainer may be past version 0 already (another worker
         fed it while this one started), so load snapshot 0 itself (``sync``: the worker's
-        :class:`~relax_hpc.rollout.weight_sync.WeightSync`) and evaluate it: the curve starts at the base model.
+        :class:`~relax_hpc.weights.transport.base.WeightReceiver`) and evaluate it: the curve starts at the base model.
         Nothing when version 0 is evaluated already, not due, or no longer on disk."""
         if not self.enabled or self.cfg.eval is None or not self.cfg.eval.due(0, self.last, final=False):
             return None
@@ -87,9 +90,9 @@ class EvalHook:
             return None
         return self.on_weights(0)
 
-    def at_end(self, sync: Any) -> dict[str, float] | None:
+    def at_end(self, sync: WeightReceiver) -> dict[str, float] | None:
         """fully_async, when the worker stops: if the run finished and its final snapshot was not evaluated, load it
-        (``sync``: the worker's :class:`~relax_hpc.rollout.weight_sync.WeightSync`) and evaluate it. Closes the
+        (``sync``: the worker's :class:`~relax_hpc.weights.transport.base.WeightReceiver`) and evaluate it. Closes the
         hook's own sinks."""
         try:
             return self._final(sync)
@@ -98,7 +101,7 @@ class EvalHook:
                 self.sinks.close()
                 self.sinks = None
 
-    def _final(self, sync: Any) -> dict[str, float] | None:
+    def _final(self, sync: WeightReceiver) -> dict[str, float] | None:
         if not self.enabled or self.cfg.eval is None or not self.cfg.eval.at_end:
             return None
         if not self.run_dir.status_file.exists():

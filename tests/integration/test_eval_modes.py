@@ -79,15 +79,16 @@ def test_eval_during_fully_async_on_a_rollout_worker(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_a_worker_that_starts_late_still_evaluates_the_base_model(tmp_path: Path) -> None:
     """fully_async: another worker may feed the trainer past version 0 before the evaluating worker's first batch;
-    that worker loads snapshot 0 itself first (real snapshots of a finished run, the demo's engine, its loader)."""
+    that worker loads snapshot 0 itself first (real snapshots of a finished run, the demo's engine, the receiver the
+    worker builds)."""
     import asyncio
 
     from relax_hpc.eval.hook import EvalHook
     from relax_hpc.eval.offline import build_engine, run_config
     from relax_hpc.events import EventLog
     from relax_hpc.models.load import load_tokenizer
-    from relax_hpc.rollout.weight_sync import WeightSync
     from relax_hpc.rundir import RunDir
+    from relax_hpc.weights.transport import make_receiver
 
     run = tmp_path / "run"
     proc = cli("submit", str(DEMO), "--executor", "local", "--run-dir", str(run), *SHORT)
@@ -99,7 +100,8 @@ def test_a_worker_that_starts_late_still_evaluates_the_base_model(tmp_path: Path
     loop = asyncio.new_event_loop()
     engine = build_engine(rd, cfg, tok, events.proc, events)
     try:
-        sync = WeightSync(rd, engine, reader="rollout-0")
+        worker_cfg = cfg.model_copy(update={"mode": "fully_async"})  # the snapshots of a colocate run, as a worker
+        sync = make_receiver(worker_cfg, engine, run_dir=rd, rank=0, proc="rollout-0", events=events)
         assert sync.newest() == 6
         hook = EvalHook(rd, cfg, tok, engine=engine, run=loop.run_until_complete, events=events, proc="rollout-0")
         got = hook.at_start(sync)

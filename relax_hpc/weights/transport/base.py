@@ -56,5 +56,11 @@ class WeightReceiver(ABC):
         return None
 
     @abstractmethod
+    async def load_files(self, version: int) -> int:
+        """Load snapshot ``version`` (which may be older than the newest: the base model an evaluating worker
+        scores first) from its files into the engine; its version. :class:`~relax_hpc.errors.SnapshotError` when
+        that snapshot is gone."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release the links."""

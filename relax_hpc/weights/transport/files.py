@@ -180,6 +180,9 @@ class SyncReceiver(WeightReceiver):
         self._note(got is not None, self.newest())
         return got
 
+    async def load_files(self, version: int) -> int:
+        return await self.sync.load_files(version)
+
     async def update(self, *, files_first: bool) -> tuple[int, str]:
         newest = self.newest()
         if not files_first and self.fast:
