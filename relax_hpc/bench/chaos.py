@@ -49,7 +49,7 @@ SETTINGS = ["mode=fully_async", "warmup.steps=0", "rollout.num_workers=2", "roll
             "launch.trainer.cpus_per_task=1", "launch.trainer.max_restarts=40", "launch.rollout.max_restarts=40",
             "launch.trainer.restart_backoff_s=0.2", "launch.rollout.restart_backoff_s=0.2",
             "launch.trainer.restart_backoff_max_s=2", "launch.rollout.restart_backoff_max_s=2",
-            "weights.keep_last=2", "weights.fast_path=off"]
+            "weights.keep_last=2", "weights.transport={kind: files}"]
 """The demo made tiny (4 prompts x 4 samples a step, checkpoint every 2 steps), keeping every shard and plan for
 the audit; restarts soon and often. The weights go through the snapshot files only: re-forming the fast path's
 process group after each kill costs seconds of this tier's budget (the fast path's own recovery is tested in

@@ -713,7 +713,7 @@ def run_all(a: argparse.Namespace, recipe: Path, common: list[str], cores: list[
     with sampler:
         runs = {mode: run_mode(recipe, overrides(mode), dirs.new(mode), timeout_s=a.timeout_s)
                 for mode in ("colocate", "fully_async")}
-        files = (run_mode(recipe, [*overrides("fully_async"), "weights.fast_path=off"], dirs.new("files"),
+        files = (run_mode(recipe, [*overrides("fully_async"), "weights.transport={kind: files}"], dirs.new("files"),
                           timeout_s=a.timeout_s) if a.handover_files else None)
     if layout is None or len(layout.trainer) == 1:
         scratch = RunDir.create(dirs.new("alone"), name="bench-alone")

@@ -2,8 +2,10 @@
 
 The listing is the announcement index (``samples/announce``, one folder whatever the number of writers); every
 ``FULL_LISTING_S`` seconds, and whenever the index is missing or holds a damaged name, every writer folder is listed
-instead (a shard published without its announcement is counted within that time). The figures steer admission
-control and the trainer's wait; the plan itself never relies on them.
+instead (a shard published without its announcement is counted within that time). A network client's directory
+cache can hide new entries of either listing for a whole timeout, so the heads of the writers known (each names its
+newest shards, read by name: close-to-open) are added, read again at most every ``HEADS_REREAD_S``. The figures
+steer admission control and the trainer's wait; the plan itself never relies on them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from relax_hpc.errors import StoreError
 from relax_hpc.rundir import RunDir
-from relax_hpc.store.announce import Announced, list_announced
+from relax_hpc.store.announce import Announced, list_announced, read_heads
 from relax_hpc.store.layout import (
     check_consumer,
     empty_position,
@@ -29,19 +31,45 @@ _NOTHING = (0, 0, 0)
 FULL_LISTING_S = 5.0
 """A process lists every writer folder for the backlog at least this often (seconds); the index in between."""
 _last_full: dict[Path, float] = {}
+HEADS_REREAD_S = 0.5
+"""A process reads the writers' heads for the backlog at most this often (seconds): a shard a directory cache hides
+is counted within this time, at one small read per writer each time."""
+_heads: dict[Path, tuple[float, Announced]] = {}
 
 
 def _listing(rd: RunDir, done: dict[str, list[int]]) -> Announced:
-    """Each writer's shards past ``done``: from the index, or from every writer folder (module docstring)."""
+    """Each writer's shards past ``done``: from the index, or from every writer folder, and the writers' heads
+    (module docstring)."""
     now = time.monotonic()
+    found: Announced | None = None
     if now - _last_full.get(rd.root, -FULL_LISTING_S) < FULL_LISTING_S:
         index, damaged = list_announced(rd)
         if not damaged:
-            return {w: [t for t in found if t[0] >= done.get(w, _NOTHING)[0]] for w, found in index.items()}
-    if len(_last_full) > 256:
-        _last_full.clear()
-    _last_full[rd.root] = now
-    return {w: scan_shards(rd, w, done.get(w, _NOTHING)[0]) for w in list_writers(rd)}
+            found = index
+    if found is None:
+        if len(_last_full) > 256:
+            _last_full.clear()
+        _last_full[rd.root] = now
+        found = {w: scan_shards(rd, w, done.get(w, _NOTHING)[0]) for w in list_writers(rd)}
+    found = _with_heads(rd, {*done, *found}, found, now)
+    return {w: [t for t in got if t[0] >= done.get(w, _NOTHING)[0]] for w, got in found.items()}
+
+
+def _with_heads(rd: RunDir, writers: set[str], found: Announced, now: float) -> Announced:
+    """``found`` plus the shards the heads of ``writers`` name (read again at most every ``HEADS_REREAD_S``)."""
+    when, heads = _heads.get(rd.root, (-HEADS_REREAD_S, {}))
+    if now - when >= HEADS_REREAD_S or not writers <= set(heads):
+        if len(_heads) > 256:
+            _heads.clear()
+        heads = read_heads(rd, writers, {w: [] for w in writers})
+        _heads[rd.root] = (now, heads)
+    out = {w: list(v) for w, v in found.items()}
+    for w, named in heads.items():
+        have = {t[0] for t in out.get(w, ())}
+        extra = [t for t in named if t[0] not in have]
+        if extra:
+            out[w] = sorted([*out.get(w, []), *extra])
+    return out
 
 
 @dataclass(frozen=True)

@@ -131,3 +131,33 @@ def test_planned_position_seen_across_cache_hiding_mounts_within_seconds(hidden:
         delays.append(time.monotonic() - t0)
         consumer.commit(consumer.position_after(step))
     assert max(delays) < 3, delays  # with a symbolic link: about HIDE_S each
+
+
+def test_backlog_counts_a_shard_across_cache_hiding_mounts_within_a_second(hidden: tuple[Path, Path]) -> None:
+    """The trainer on A waits for samples by the backlog (the plan follows it): a shard a worker publishes through
+    B is counted through A within ``HEADS_REREAD_S`` and a margin, though A's listings of the announcement index and
+    of the writer folder stay cached (without the writers' heads in the backlog: about HIDE_S for every shard, one
+    cache timeout added to every step of the fully_async demo across these mounts)."""
+    from relax_hpc.store import backlog
+    from relax_hpc.store.backlog import HEADS_REREAD_S
+
+    rd_a, rd_b = _fresh(hidden, "backlog")
+    writer = ShardWriter(rd_b, "rollout-0.x")
+
+    def publish(k: int) -> None:
+        writer.write([SampleGroup(f"g{k}", [Sample(prompt_ids=np.arange(3, dtype=np.int32),
+                                                   response_ids=np.full(4, i, np.int32),
+                                                   logprobs=np.zeros(4, np.float32), reward=float(i),
+                                                   metadata={"uid": f"g{k}/{i}"}) for i in range(2)])])
+
+    publish(0)
+    assert backlog(rd_a).groups == 1  # A lists the folders once (the writer is known from then on)
+    delays = []
+    for k in range(1, 4):
+        time.sleep(0.3)
+        publish(k)
+        t0 = time.monotonic()
+        while backlog(rd_a).groups != k + 1 and time.monotonic() - t0 < HIDE_S + 10:
+            time.sleep(0.05)
+        delays.append(time.monotonic() - t0)
+    assert max(delays) < HEADS_REREAD_S + 2, delays
