@@ -8,13 +8,15 @@ claims read before the store is listed. Before it generates, a worker writes its
 groups are counted once, in the backlog, or twice for a moment: never zero times). Check and claim happen under a
 best-effort lock (``claims/.lock``), so two workers do not both take the last room; where file locks do not work
 the rule still holds approximately (a few stale groups, dropped and counted by the trainer). A claim older than
-``max_age_s`` (a worker killed while generating) is ignored.
+``max_age_s`` (a worker killed while generating) is ignored, and so at once is a claim of a process of this host
+that is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -48,7 +50,8 @@ class Admission:
                 continue
             with contextlib.suppress(OSError, ValueError):
                 claim = read_json(self.run_dir.claims / name, default=None)
-                if isinstance(claim, dict) and now - float(claim.get("time", 0)) <= self.max_age_s:
+                if isinstance(claim, dict) and now - float(claim.get("time", 0)) <= self.max_age_s \
+                        and not _dead_here(claim):
                     total += int(claim.get("groups", 0))
         return total
 
@@ -73,8 +76,8 @@ class Admission:
         return True
 
     def _write(self, groups: int) -> None:
-        atomic_write_json(self.path, {"groups": groups, "time": time.time(), "pid": os.getpid()}, fsync=False,
-                          indent=None)
+        atomic_write_json(self.path, {"groups": groups, "time": time.time(), "pid": os.getpid(),
+                                      "host": socket.gethostname()}, fsync=False, indent=None)
 
     def release(self, groups: int | None = None) -> None:
         """A batch is published (or abandoned): drop the claim, or only ``groups`` of it (one of several batches)."""
@@ -84,3 +87,18 @@ class Admission:
             return
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+
+
+def _dead_here(claim: dict[str, object]) -> bool:
+    """A claim written on this host by a process that is gone (a worker killed while generating): its groups are
+    not coming, so they hold no room (a claim from another host is trusted until ``max_age_s``)."""
+    if claim.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(claim.get("pid", 0)), 0)  # type: ignore[arg-type]
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return False
+    return False
+

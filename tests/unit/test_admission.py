@@ -72,3 +72,28 @@ def test_a_worker_claims_a_further_batch_on_top_of_its_own_and_releases_them_one
     assert not a.try_claim(16, backlog_groups=lambda: 0, more=True)  # a batch larger than the room left
     a.release(8)
     assert a.held == 0 and not rd.claim_file("rollout-0").exists()
+
+
+def test_a_claim_of_a_dead_process_of_this_host_holds_no_room(tmp_path) -> None:
+    """A worker killed while generating leaves its claim: on its own host the claim is ignored at once (its pid is
+    gone), not after max_age_s; a claim from another host is trusted until then."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from relax_hpc.rollout.admission import Admission
+    from relax_hpc.rundir import RunDir
+
+    rd = RunDir.create(tmp_path / "run")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    me = Admission(rd, "rollout-0", limit=4)
+    rd.claims.mkdir(parents=True, exist_ok=True)
+    rd.claim_file("rollout-1").write_text(json.dumps({"groups": 4, "time": time.time(), "pid": gone.pid,
+                                                      "host": socket.gethostname()}))
+    assert me.claimed_by_others() == 0 and me.try_claim(4, lambda: 0)
+    me.release()
+    rd.claim_file("rollout-1").write_text(json.dumps({"groups": 4, "time": time.time(), "pid": gone.pid,
+                                                      "host": "another-node"}))
+    assert me.claimed_by_others() == 4 and not me.try_claim(4, lambda: 0)
