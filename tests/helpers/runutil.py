@@ -38,14 +38,19 @@ def sigterm_when(pid: int, ready: Callable[[], bool], *, timeout_s: float = 300,
     while time.time() < deadline and not ready():
         time.sleep(0.1)
     os.kill(pid, signal.SIGTERM)
-    deadline = time.time() + exit_timeout_s
+    wait_exit(pid, exit_timeout_s)
+
+
+def wait_exit(pid: int, timeout_s: float) -> None:
+    """Wait for process ``pid`` to end (polled every 0.1 s); AssertionError if it still runs after ``timeout_s``."""
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return
         time.sleep(0.1)
-    raise AssertionError(f"process {pid} did not stop within {exit_timeout_s:.0f} s of its SIGTERM")
+    raise AssertionError(f"process {pid} still running after {timeout_s:.0f} s")
 
 
 def metrics(run_dir: Path, proc: str) -> list[dict[str, Any]]:

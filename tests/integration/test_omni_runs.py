@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.data.synthetic import write_task
-from tests.helpers.runutil import REPO, cli, events, metrics, rewards
+from tests.helpers.runutil import REPO, cli, events, metrics, rewards, wait_exit
 
 pytest.importorskip("av")
 RECIPE = REPO / "recipes" / "tiny-vl-red-squares.yaml"
@@ -58,17 +58,6 @@ def expected_order(rows: Path, n: int) -> list[tuple[int, int]]:
     return [(p.meta["epoch"], p.meta["index"]) for p in stream.next_batch(n, tensors=False)]
 
 
-def _wait_exit(pid: int, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"process {pid} still running after {timeout} s")
-
-
 @pytest.mark.integration
 @pytest.mark.slow
 def test_colocate_with_the_pool_resumes_taking_each_prompt_once(rows, tmp_path):
@@ -86,7 +75,7 @@ def test_colocate_with_the_pool_resumes_taking_each_prompt_once(rows, tmp_path):
             (run / "logs/events/colocate-0.jsonl").exists() and len(rewards(run, "colocate-0")) >= 3):
         time.sleep(0.2)
     os.kill(pid, signal.SIGTERM)  # the pool has the next batches prefetched by now
-    _wait_exit(pid, 120)
+    wait_exit(pid, 120)
     stopped = [e for e in events(run, "colocate-0") if e.get("event") == "preempted"]
     assert stopped and stopped[-1]["step"] < steps
     proc = cli("resume", str(run), "--wait", timeout=600)
