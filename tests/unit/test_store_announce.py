@@ -215,8 +215,9 @@ def test_samples_watch_stats_the_announce_folder(rd: RunDir) -> None:
 
 def test_backlog_reads_the_index_and_lists_every_folder_at_times(rd: RunDir, monkeypatch: pytest.MonkeyPatch) -> None:
     """Admission control's backlog lists one folder for any number of writers; an unannounced shard is counted by
-    the periodic full listing (``FULL_LISTING_S``)."""
-    monkeypatch.setattr(backlog_mod, "FULL_LISTING_S", 0.5)
+    the periodic full listing (``FULL_LISTING_S``). The period is set per look, not timed: on a slow network mount
+    the writes between two looks can outlast any short period."""
+    monkeypatch.setattr(backlog_mod, "FULL_LISTING_S", 3600.0)
     a = ShardWriter(rd, "rollout-0.a")
     a.write([group("a0")])
     assert backlog_mod.backlog(rd).groups == 1  # the first look lists every folder
@@ -224,7 +225,7 @@ def test_backlog_reads_the_index_and_lists_every_folder_at_times(rd: RunDir, mon
     _unannounce(rd, "rollout-1.b", hidden.path.name)
     a.write([group("a1")])
     assert backlog_mod.backlog(rd).groups == 2  # from the index: b0 not counted yet
-    time.sleep(0.6)
+    monkeypatch.setattr(backlog_mod, "FULL_LISTING_S", 0.0)  # the period is over
     info = backlog_mod.backlog(rd)
     assert info.groups == 3 and info.writers == 2  # the periodic full listing counts it
 
