@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -96,8 +98,11 @@ def encode_tensor(new: np.ndarray, base: np.ndarray | None, itemsize: int, codec
 
 
 def decode_tensor(codec: str, payload: bytes | memoryview, base: np.ndarray | None, nbytes: int,
-                  itemsize: int) -> np.ndarray:
-    """The reconstructed bytes of one tensor (uint8 array of ``nbytes``); SnapshotError if the payload is bad."""
+                  itemsize: int, *, in_place: bool = False, scratch: np.ndarray | None = None) -> np.ndarray:
+    """The reconstructed bytes of one tensor (uint8 array of ``nbytes``); SnapshotError if the payload is bad.
+    ``in_place``: ``base`` is the caller's own (writable) and becomes the result, no new buffer is allocated.
+    ``scratch``: a uint8 buffer of at least ``nbytes`` that an XOR payload is decompressed into (reused across
+    tensors, it spares a fresh allocation's page faults: about 1.6x faster decompression)."""
     z = _zstd()
     try:
         if codec == "raw":
@@ -105,17 +110,15 @@ def decode_tensor(codec: str, payload: bytes | memoryview, base: np.ndarray | No
         elif base is None or base.size != nbytes:
             raise SnapshotError(f"codec {codec!r} needs a base tensor of {nbytes} bytes")
         elif codec == "xor-zstd":
-            x = np.frombuffer(z.ZstdDecompressor().decompress(payload, max_output_size=nbytes), np.uint8)
-            if x.size != nbytes:
-                raise SnapshotError(f"decompressed {x.size} bytes, expected {nbytes}")
-            out = np.bitwise_xor(x, base)
+            x = _decompress(z, payload, nbytes, scratch)
+            out = np.bitwise_xor(x, base, out=base) if in_place else np.bitwise_xor(x, base)
         elif codec == "sparse":
             count, rest = divmod(len(payload), 4 + itemsize)
             if rest:
                 raise SnapshotError(f"sparse payload of {len(payload)} bytes is not whole index/value pairs")
             idx = np.frombuffer(payload, "<u4", count)
             vals = np.frombuffer(payload, _elements(base[:0], itemsize).dtype, count, offset=4 * count)
-            out = base.copy()
+            out = base if in_place else base.copy()
             el = _elements(out, itemsize)
             if count and int(idx.max()) >= el.size:
                 raise SnapshotError("sparse index out of range")
@@ -127,6 +130,24 @@ def decode_tensor(codec: str, payload: bytes | memoryview, base: np.ndarray | No
     if out.size != nbytes:
         raise SnapshotError(f"reconstructed {out.size} bytes, expected {nbytes}")
     return out
+
+
+def _decompress(z: Any, payload: bytes | memoryview, nbytes: int, scratch: np.ndarray | None) -> np.ndarray:
+    """A zstd frame of exactly ``nbytes`` decompressed bytes, into ``scratch`` where given; SnapshotError else."""
+    if scratch is None or scratch.size < nbytes:
+        x = np.frombuffer(z.ZstdDecompressor().decompress(payload, max_output_size=nbytes), np.uint8)
+        got = x.size
+    else:
+        x, got = scratch[:nbytes], 0
+        view = memoryview(x.data).cast("B")
+        with z.ZstdDecompressor().stream_reader(payload) as r:
+            while got < nbytes and (n := r.readinto(view[got:])):
+                got += n
+            got += len(r.read(1))  # a byte past nbytes: the frame is longer than the tensor
+    if got != nbytes:
+        raise SnapshotError(f"decompressed {'more than ' if got > nbytes else ''}{min(got, nbytes)} bytes, "
+                            f"expected {nbytes}")
+    return x
 
 
 def encode_delta(state: Mapping[str, torch.Tensor], base: Mapping[str, np.ndarray],
@@ -160,19 +181,51 @@ def base_of(manifest: Mapping[str, Any]) -> int | None:
 def apply_delta(folder: Path, manifest: dict[str, Any], base_state: Mapping[str, torch.Tensor], *,
                 verify: str) -> dict[str, torch.Tensor]:
     """Reconstruct a delta snapshot's state dict (CPU) from its base version's state and ``folder/delta.bin``;
-    every tensor is checked against the sha256 of its reconstructed bytes."""
-    import torch
+    every tensor is checked against the sha256 of its reconstructed bytes.
 
-    from relax_hpc.weights.format import hash_threads, torch_dtype
-
+    ``base_state`` is consumed: its tensors are this call's own (the reader loads the base for it), so each is
+    reconstructed in place, with no second model-sized buffer. ``delta.bin`` is hashed as a whole (``verify:
+    sha256``) only when a tensor fails, to say whether the delta or the base is damaged: the tensors' own sha256s
+    already cover every byte that is used."""
     entry = manifest["files"][0]
     data = (folder / entry["name"]).read_bytes()
     if len(data) != entry["bytes"]:
         raise SnapshotError(f"{folder / entry['name']}: {len(data)} bytes, the manifest says {entry['bytes']}: "
                             "corrupt delta")
-    if verify == "sha256" and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise SnapshotError(f"{folder / entry['name']}: sha256 does not match the manifest: corrupt delta")
-    view = memoryview(data)
+    try:
+        return _decode_all(folder, manifest, base_state, memoryview(data))
+    except SnapshotError as exc:
+        if verify == "sha256" and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise SnapshotError(f"{folder / entry['name']}: sha256 does not match the manifest: corrupt delta") from exc
+        raise
+
+
+def decode_threads() -> int:
+    """Threads that reconstruct a large delta: every core this process may use (at most 8); zstd, numpy's XOR and
+    sha256 release the GIL, and reconstruction has no I/O of its own to leave a core for."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _decode_all(folder: Path, manifest: dict[str, Any], base_state: Mapping[str, torch.Tensor],
+                view: memoryview) -> dict[str, torch.Tensor]:
+    import torch
+
+    from relax_hpc.weights.format import torch_dtype
+
+    ptrs = Counter(b.data_ptr() for b in base_state.values() if b.numel())
+    shared = {ptr for ptr, n in ptrs.items() if n > 1}  # one buffer behind two names (tied): copied, not reused
+
+    scratch: dict[int, np.ndarray] = {}  # one decompression buffer per thread, freed with this call
+
+    def buffer(nbytes: int) -> np.ndarray:
+        key = threading.get_ident()
+        if key not in scratch or scratch[key].size < nbytes:
+            scratch[key] = np.empty(nbytes, np.uint8)
+        return scratch[key]
 
     def one(name: str, t: dict[str, Any]) -> torch.Tensor:
         p = t["pieces"][0]
@@ -181,8 +234,11 @@ def apply_delta(folder: Path, manifest: dict[str, Any], base_state: Mapping[str,
         nbytes = itemsize * int(np.prod(shape, dtype=np.int64))
         b = base_state.get(name)
         base_raw = _bytes(b) if b is not None else None
+        in_place = (b is not None and b.numel() > 0 and b.device.type == "cpu" and b.is_contiguous()
+                    and b.data_ptr() not in shared and base_raw is not None and base_raw.flags.writeable)
         try:
-            out = decode_tensor(p["codec"], view[p["offset"]:p["offset"] + p["bytes"]], base_raw, nbytes, itemsize)
+            out = decode_tensor(p["codec"], view[p["offset"]:p["offset"] + p["bytes"]], base_raw, nbytes, itemsize,
+                                in_place=in_place, scratch=buffer(nbytes) if in_place else None)
         except (SnapshotError, KeyError, TypeError, ValueError) as exc:
             raise SnapshotError(f"{folder / DELTA_FILE}: tensor {name!r}: {exc}") from exc
         if hashlib.sha256(out.data).hexdigest() != p.get("sha256"):
@@ -190,15 +246,13 @@ def apply_delta(folder: Path, manifest: dict[str, Any], base_state: Mapping[str,
                                 "match its sha256: corrupt delta or base")
         return torch.from_numpy(out).view(dtype).reshape(shape)
 
-    # zstd, numpy's XOR and sha256 release the GIL: tensors are decoded on several threads (not for small models)
     items = list(manifest["tensors"].items())
-    threads = hash_threads() if int(manifest["delta"].get("full_bytes", 0)) > PARALLEL_BYTES else 1
+    threads = decode_threads() if int(manifest["delta"].get("full_bytes", 0)) > PARALLEL_BYTES else 1
     if threads == 1:
         return {name: one(name, t) for name, t in items}
     with ThreadPoolExecutor(threads, thread_name_prefix="delta") as pool:
         futures = [(name, pool.submit(one, name, t)) for name, t in items]
-        state = {name: f.result() for name, f in futures}
-    return state
+        return {name: f.result() for name, f in futures}
 
 
 def dir_bytes(folder: Path) -> int:

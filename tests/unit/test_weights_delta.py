@@ -202,10 +202,9 @@ def test_threaded_reconstruction_is_bit_exact_and_detects_damage(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Large models decode their tensors on several threads (here forced for a small one)."""
     from relax_hpc.weights import delta
-    from relax_hpc.weights import format as fmt
 
     monkeypatch.setattr(delta, "PARALLEL_BYTES", 0)
-    monkeypatch.setattr(fmt, "hash_threads", lambda: 3)
+    monkeypatch.setattr(delta, "decode_threads", lambda: 3)
     rd, states = _published(tmp_path)
     for i, sd in enumerate(states, 1):
         got, _ = load_snapshot(rd.snapshot(i))
@@ -214,6 +213,27 @@ def test_threaded_reconstruction_is_bit_exact_and_detects_damage(tmp_path: Path,
     _flip(rd.snapshot(4) / DELTA_FILE, piece["offset"] + piece["bytes"] // 2)
     with pytest.raises(SnapshotError, match="tensor 'w'"):
         load_snapshot(rd.snapshot(4), verify="size")
+
+
+def test_reconstruction_reuses_the_base_buffers_but_copies_one_shared_by_two_names(tmp_path: Path) -> None:
+    """The base state is the reconstruction's own: each tensor is rebuilt in its base tensor's buffer (no second
+    model-sized allocation), except a buffer two names share (tied weights), which would be XORed twice."""
+    from relax_hpc.weights.delta import apply_delta
+
+    rd, states = _published(tmp_path)
+    folder = rd.snapshot(3)
+    manifest = read_manifest(folder)
+    assert manifest["delta"]["base"] == 1
+    base, _ = load_snapshot(rd.snapshot(1))
+    tied = {**base, "b": base["w"]}  # "b" made an alias of "w": a tensor whose base buffer is not its own
+    tied_manifest = json.loads(json.dumps(manifest))
+    tied_manifest["tensors"]["b"] = dict(manifest["tensors"]["w"])
+    ptr_w, ptr_e = base["w"].data_ptr(), base["e"].data_ptr()
+    got = apply_delta(folder, tied_manifest, tied, verify="sha256")
+    assert got["e"].data_ptr() == ptr_e  # rebuilt in place
+    assert ptr_w not in (got["w"].data_ptr(), got["b"].data_ptr())  # the shared buffer was copied for each name
+    for k, want in (("w", "w"), ("b", "w"), ("e", "e")):
+        assert torch.equal(got[k].view(torch.uint8), states[2][want].view(torch.uint8)), k
 
 
 def test_missing_base_falls_back_to_the_newest_intact_version(tmp_path: Path) -> None:
@@ -234,3 +254,22 @@ def test_missing_base_falls_back_to_the_newest_intact_version(tmp_path: Path) ->
     snap = SnapshotReader(rd).load()  # v6 and v5 need the missing v4; v3 = v1 + its delta
     assert snap.version == 3
     assert all(torch.equal(snap.state_dict[k].view(torch.uint8), states[2][k].view(torch.uint8)) for k in states[2])
+
+
+@pytest.mark.parametrize("scratch", [None, 256], ids=["fresh-buffer", "scratch-buffer"])
+@pytest.mark.parametrize("length", [99, 101])
+def test_an_xor_payload_of_the_wrong_length_is_refused(scratch: int | None, length: int) -> None:
+    """A frame that decompresses to fewer or more bytes than the tensor has is an error on both decompression
+    paths (into a fresh buffer, and into a reused scratch buffer larger than the tensor)."""
+    import numpy as np
+    import zstandard
+
+    from relax_hpc.weights.delta import decode_tensor
+
+    base = np.arange(100, dtype=np.uint8)
+    buf = None if scratch is None else np.empty(scratch, np.uint8)
+    bad = zstandard.ZstdCompressor().compress(np.ones(length, np.uint8).tobytes())
+    with pytest.raises(SnapshotError, match="decompressed"):
+        decode_tensor("xor-zstd", bad, base.copy(), 100, 1, in_place=True, scratch=buf)
+    good = zstandard.ZstdCompressor().compress(np.ones(100, np.uint8).tobytes())
+    assert np.array_equal(decode_tensor("xor-zstd", good, base.copy(), 100, 1, in_place=True, scratch=buf), base ^ 1)
