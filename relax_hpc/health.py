@@ -9,9 +9,12 @@ them (the trainer session; a rollout worker's metrics too).
   ``monitor.reward_error_alert``): one ``reward_errors`` alert.
 * Responses cut at ``max_new_tokens`` (``rollout/truncated_fraction`` above ``monitor.truncation_alert``): one
   ``responses_truncated`` alert.
-* A train/rollout mismatch that jumps (``train/mismatch_kl``, its on-policy ``staleness_0`` part where given, above
-  ``MISMATCH_JUMP`` times the median of the previous records and above ``MISMATCH_FLOOR``, or above
-  ``MISMATCH_CEILING`` at any time): one ``mismatch_jump`` alert. The engine then samples from other weights than
+* A train/rollout mismatch that jumps: one ``mismatch_jump`` alert. Judged is the on-policy part,
+  ``train/mismatch_kl/staleness_0``, or ``train/mismatch_kl`` where a record has no staleness split (every sample
+  on-policy), above ``MISMATCH_JUMP`` times the median of its previous records and above ``MISMATCH_FLOOR``, or above
+  ``MISMATCH_CEILING`` at any time. A record of stale samples only (fully_async at ``max_staleness`` 1 trains on
+  the previous version's samples) holds the policy's own step too, so its least stale part is judged against that
+  same part's history, and never against the ceiling. The engine then samples from other weights than
   the trainer holds (a broken or partial weight sync, a dtype or kernel change), and importance sampling is
   correcting a difference it was not meant for.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import re
 from typing import Any, Protocol
 
 from relax_hpc.errors import RelaxError
@@ -40,8 +44,10 @@ MISMATCH_FLOOR = 1e-3
 """...when it is also above this (float32 numerics sit near 1e-7, bf16 near 1e-4)."""
 MISMATCH_CEILING = 0.1
 """A mismatch KL above this alerts even without history (a weight sync broken from the first step)."""
-MISMATCH_KEYS = ("train/mismatch_kl/staleness_0", "train/mismatch_kl")
-"""The first present is judged: the on-policy part in fully_async, where staleness adds a real policy change."""
+MISMATCH_KEY = "train/mismatch_kl"
+"""The mismatch of all samples of a step; ``MISMATCH_KEY/staleness_K`` its part of samples K versions stale
+(``staleness_2plus``: 2 or more)."""
+_STALENESS_PART = re.compile(re.escape(MISMATCH_KEY) + r"/staleness_(\d+)(?:plus)?")
 
 
 class NonFiniteError(RelaxError):
@@ -64,7 +70,7 @@ class RunHealth:
         self.in_a_row = 0
         self.fired: set[str] = set()
         self._window: collections.deque[dict[str, float]] = collections.deque(maxlen=WINDOW)
-        self._mismatch: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._mismatch: dict[str, collections.deque[float]] = {}
 
     def _alert(self, event: str, message: str, step: int | None) -> None:
         if event in self.fired:
@@ -83,14 +89,15 @@ class RunHealth:
         return extra
 
     def _mismatch_jump(self, metrics: dict[str, float], step: int | None) -> None:
-        key = next((k for k in MISMATCH_KEYS if k in metrics), None)
+        key, on_policy = mismatch_part(metrics)
         if key is None or not math.isfinite(kl := float(metrics[key])):
             return
-        history = sorted(self._mismatch)
-        self._mismatch.append(kl)
+        seen = self._mismatch.setdefault(key, collections.deque(maxlen=WINDOW))
+        history = sorted(seen)
+        seen.append(kl)
         base = history[len(history) // 2] if history else None
         jumped = base is not None and kl > MISMATCH_FLOOR and kl > MISMATCH_JUMP * base
-        if jumped or kl > MISMATCH_CEILING:
+        if jumped or (on_policy and kl > MISMATCH_CEILING):
             was = f"from a median of {base:.3g} over the last {len(history)} records" if history else "at once"
             self._alert("mismatch_jump", f"{key} = {kl:.3g} at step {step} ({was}): the rollout engine samples "
                         "from other weights than the trainer holds (check the weight sync, the engine's dtype and "
@@ -135,3 +142,12 @@ class RunHealth:
             self._alert("responses_truncated", f"{frac:.0%} of responses hit rollout.sampling.max_new_tokens="
                         f"{self.cfg.rollout.sampling.max_new_tokens} (cut before they end): raise it, or "
                         "reward/penalise length (algorithm.overlong)", step)
+
+
+def mismatch_part(metrics: dict[str, float]) -> tuple[str | None, bool]:
+    """The mismatch key of a metrics record to judge, and whether it is on-policy (module docstring)."""
+    parts = sorted((int(m[1]), k) for k in metrics if (m := _STALENESS_PART.fullmatch(k)))
+    if not parts:
+        return (MISMATCH_KEY, True) if MISMATCH_KEY in metrics else (None, False)
+    staleness, key = parts[0]
+    return key, staleness == 0

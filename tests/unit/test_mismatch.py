@@ -115,6 +115,34 @@ def test_health_judges_the_on_policy_part_and_a_high_start() -> None:
     assert [a[0] for a in ev2.alerts] == ["mismatch_jump"]
 
 
+def test_health_judges_stale_only_records_against_their_own_history() -> None:
+    """fully_async at max_staleness 1: step 1 trains on v0 samples (no split, KL ~1e-13), every later step on samples
+    one version stale, whose KL holds the policy's step (0.48 then falling, as the tiny demo on vLLM measured): no
+    alert. A stale part that then jumps tenfold over its own history still alerts."""
+    ev = _Events()
+    h = _health(ev)
+    h.check({"train/mismatch_kl": 6e-14}, 1)
+    for step, kl in enumerate([0.476, 0.145, 0.104, 0.074, 0.032, 0.02, 0.03], 2):
+        h.check({"train/mismatch_kl": kl, "train/mismatch_kl/staleness_1": kl}, step)
+    assert ev.alerts == []
+    h.check({"train/mismatch_kl": 0.9, "train/mismatch_kl/staleness_1": 0.9}, 9)
+    assert [a[0] for a in ev.alerts] == ["mismatch_jump"]
+    assert "train/mismatch_kl/staleness_1 = 0.9 at step 9" in ev.alerts[0][1]
+
+
+def test_mismatch_part_prefers_the_least_stale_part() -> None:
+    from relax_hpc.health import mismatch_part
+
+    assert mismatch_part({"train/mismatch_kl": 1.0}) == ("train/mismatch_kl", True)
+    assert mismatch_part({"train/mismatch_kl": 1.0, "train/mismatch_kl/staleness_2": 1.0,
+                          "train/mismatch_kl/staleness_1": 1.0}) == ("train/mismatch_kl/staleness_1", False)
+    assert mismatch_part({"train/mismatch_kl/staleness_0": 0.0, "train/mismatch_kl/staleness_1": 1.0}) == (
+        "train/mismatch_kl/staleness_0", True)
+    assert mismatch_part({"train/mismatch_kl": 1.0, "train/mismatch_kl/staleness_2plus": 1.0}) == (
+        "train/mismatch_kl/staleness_2plus", False)
+    assert mismatch_part({"train/loss": 1.0}) == (None, False)
+
+
 def _recomputed(backend: object, items: list) -> None:
     """Set each item's rollout log-probs to the trainer's own (the same weights, as in colocate)."""
     from relax_hpc.trainer.batch import pack
