@@ -217,6 +217,8 @@ class TrainerSession:
                                        model_config=self.trainer.hf_config(),
                                        generation_config=self.trainer.generation_config(),
                                        adapter=self.trainer.adapter_config())
+            else:
+                self.publisher.adopt(version)
         return time.perf_counter() - t0
 
     def export(self) -> None:

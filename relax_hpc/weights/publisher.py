@@ -63,6 +63,7 @@ from relax_hpc.weights.manifest import (
     check_pieces,
     complete_versions,
     latest_version,
+    read_manifest,
     write_latest,
 )
 
@@ -149,6 +150,21 @@ class SnapshotPublisher:
         versions = complete_versions(self.rd)
         latest = latest_version(self.rd)
         return version > max(-1 if latest is None else latest, versions[-1] if versions else -1)
+
+    def adopt(self, version: int) -> bool:
+        """For a version that is not new (:meth:`is_new`): where its complete folder is on disk and LATEST is older
+        (a publish killed between its rename and the LATEST write, then the step trained again after a resume), move
+        LATEST to it. Without this, readers that follow LATEST stay on the older version for good. True if moved."""
+        folder = self.rd.snapshot(version)
+        latest = latest_version(self.rd)
+        if (latest is not None and latest >= version) or not is_complete(folder):
+            return False
+        manifest = read_manifest(folder)
+        write_latest(self.rd, version, int(manifest.get("step", version)), float(manifest.get("time", time.time())))
+        self._newest = version if self._newest is None else max(self._newest, version)
+        log.warning("LATEST named v%06d, older than the complete snapshot v%06d on disk: moved to it", latest or 0,
+                    version)
+        return True
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, step: int,
                 model_config: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,

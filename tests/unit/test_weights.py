@@ -357,6 +357,23 @@ def test_is_new_sees_folders_beyond_a_lagging_latest_and_then_trusts_its_own_com
     assert pub.is_new(5)
 
 
+def test_a_version_trained_again_after_a_kill_moves_a_lagging_latest_to_its_folder(rd) -> None:
+    """Killed between the rename of v3 and the LATEST write (LATEST still v2), resumed from step 2: step 3 is trained
+    again, v3 is not new (its folder is there), and LATEST must still move to it, or readers that follow LATEST stay
+    on v2 for good (a chaos run did: its workers made v2 samples for 11 minutes, every one dropped as stale)."""
+    old = SnapshotPublisher(rd)
+    for v in (1, 2, 3):
+        old.publish(state(v), v, v)
+    write_latest(rd, 2, 2, time.time())
+    pub = SnapshotPublisher(rd)
+    assert not pub.is_new(3)
+    assert pub.adopt(3)
+    assert latest_version(rd) == 3
+    assert not pub.adopt(3) and not pub.adopt(2)  # LATEST is not older: nothing to do, never moved back
+    assert not pub.adopt(7)  # no such folder
+    assert pub.is_new(4)
+
+
 def test_poll_rereads_latest_when_its_stat_looks_unchanged(rd):
     """A network client's attribute cache can show LATEST's old stat for its whole timeout; poll still reads the
     file (opened by name: close-to-open) every REREAD_S, so a new version is seen within REREAD_S. Emulated on the

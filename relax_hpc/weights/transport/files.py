@@ -62,6 +62,8 @@ class SnapshotFiles:
         if publisher.is_new(version):  # never trips over a version already on disk
             publisher.publish(state_dict, version=version, step=version, model_config=trainer.hf_config(),
                               generation_config=trainer.generation_config(), adapter=trainer.adapter_config())
+        else:
+            publisher.adopt(version)
 
     def drain(self) -> None:
         pending, self.pending = self.pending, None
