@@ -203,11 +203,9 @@ def apply_delta(folder: Path, manifest: dict[str, Any], base_state: Mapping[str,
 def decode_threads() -> int:
     """Threads that reconstruct a large delta: every core this process may use (at most 8); zstd, numpy's XOR and
     sha256 release the GIL, and reconstruction has no I/O of its own to leave a core for."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+    from relax_hpc.weights.format import usable_cores
+
+    return max(1, min(8, usable_cores()))
 
 
 def _decode_all(folder: Path, manifest: dict[str, Any], base_state: Mapping[str, torch.Tensor],
@@ -238,7 +236,8 @@ def _decode_all(folder: Path, manifest: dict[str, Any], base_state: Mapping[str,
                     and b.data_ptr() not in shared and base_raw is not None and base_raw.flags.writeable)
         try:
             out = decode_tensor(p["codec"], view[p["offset"]:p["offset"] + p["bytes"]], base_raw, nbytes, itemsize,
-                                in_place=in_place, scratch=buffer(nbytes) if in_place else None)
+                                in_place=in_place,
+                                scratch=buffer(nbytes) if in_place and p["codec"] == "xor-zstd" else None)
         except (SnapshotError, KeyError, TypeError, ValueError) as exc:
             raise SnapshotError(f"{folder / DELTA_FILE}: tensor {name!r}: {exc}") from exc
         if hashlib.sha256(out.data).hexdigest() != p.get("sha256"):

@@ -75,13 +75,17 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
+def usable_cores() -> int:
+    """The cores this process may use (its CPU affinity where the platform tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
 def hash_threads() -> int:
     """Hash worker threads: the cores this process may use, less one for I/O, at most 4."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 2
-    return max(1, min(4, cores - 1))
+    return max(1, min(4, usable_cores() - 1))
 
 
 class HashPipeline:
