@@ -161,7 +161,7 @@ class SnapshotPublisher:
             return False
         manifest = read_manifest(folder)
         write_latest(self.rd, version, int(manifest.get("step", version)), float(manifest.get("time", time.time())))
-        self._newest = version if self._newest is None else max(self._newest, version)
+        # not ``self._newest``: newer folders than this one may be on disk (LATEST lost, resumed from an older step)
         log.warning("LATEST named v%06d, older than the complete snapshot v%06d on disk: moved to it", latest or 0,
                     version)
         return True

@@ -108,8 +108,11 @@ def torchrun_colocate_preempted(run: Path, sets: list[str], env: dict[str, str])
 
 
 def torchrun_colocate(run: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    """The run's colocate role as two ranks under ``relax_hpc.launch.torchrun --standalone`` (stderr piped)."""
+    """The run's colocate role as two ranks under ``relax_hpc.launch.torchrun --standalone`` (stderr piped). The
+    ranks get 180 s after a forwarded signal (the sbatch scripts pass the recipe's signal delay; torchrun's own
+    default of 30 s is shorter than a dist checkpoint of two ranks on a loaded 2-core machine)."""
     return subprocess.Popen([sys.executable, "-m", "relax_hpc.launch.torchrun", "--standalone", "--nproc-per-node=2",
+                             "--shutdown-timeout=180",
                              "-m", "relax_hpc", "role", "colocate", "--run-dir", str(run)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

@@ -374,6 +374,20 @@ def test_a_version_trained_again_after_a_kill_moves_a_lagging_latest_to_its_fold
     assert pub.is_new(4)
 
 
+def test_adopting_an_older_version_never_hides_newer_folders(rd) -> None:
+    """LATEST lost and resumed from step 4 with v5 and v6 on disk: step 4 is adopted, and v5 and v6 stay not new
+    (adopted in turn when trained again, never written over: that raised "v000005 already exists")."""
+    old = SnapshotPublisher(rd)
+    for v in (4, 5, 6):
+        old.publish(state(v), v, v)
+    (rd.weights / "LATEST").unlink()
+    pub = SnapshotPublisher(rd)
+    assert not pub.is_new(4) and pub.adopt(4)
+    assert not pub.is_new(5) and pub.adopt(5) and latest_version(rd) == 5
+    assert not pub.is_new(6) and pub.adopt(6) and latest_version(rd) == 6
+    assert pub.is_new(7)
+
+
 def test_poll_rereads_latest_when_its_stat_looks_unchanged(rd):
     """A network client's attribute cache can show LATEST's old stat for its whole timeout; poll still reads the
     file (opened by name: close-to-open) every REREAD_S, so a new version is seen within REREAD_S. Emulated on the
