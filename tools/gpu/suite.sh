@@ -20,6 +20,10 @@
 #   proof collect [WAIT_S]            wait up to WAIT_S (default 0) for those runs, then their figures ->
 #                                     $OUT/proof-gpu.json (bench learning --runs) and the logs' tails
 #   vllm [import|generate ...]        vLLM (carried, in /tmp/vllm-site) against the hf engine (default: import generate)
+#   lengths [gen-06|gen-4b|partial|step-uniform ...]   the lognormal length mix (mean 512, cap 4096): bench
+#                                     generate, pool vs static batches, against uniform 512; bench step on the mix
+#                                     without and with partial rollouts; bench step at uniform 512
+#                                     (default: gen-06 partial)
 #
 # Environment: OUT (results; default /tmp/relax-gpu-suite), WHEELS (default .whl: installed to /tmp/site first when
 # it holds wheels), DRY_RUN=1 (on a CPU machine: tests collected only, tiny shapes, --device cpu; checks that the
@@ -32,7 +36,7 @@ cd "$REPO" || exit 1
 OUT=${OUT:-/tmp/relax-gpu-suite}
 SCRATCH=${SCRATCH:-/tmp/relax-gpu-scratch}
 ERR=$OUT/err.log
-TARGETS="env tests step-0.6b step-4b megatron multi-gpu pipeline generate decode-attention carry proof vllm"
+TARGETS="env tests step-0.6b step-4b megatron multi-gpu pipeline generate decode-attention carry proof vllm lengths"
 PROOF=${PROOF:-/tmp/relax-proof}  # the proof's run dirs (outside $OUT: they are large)
 PROOF_RECIPE=recipes/smollm2-135m-arithmetic-gpu.yaml
 
@@ -426,6 +430,41 @@ print('vllm', vllm.__version__, vllm.__file__)" 2>&1 | tail -3 | tee "$OUT/vllm-
     done
 }
 
+MIX=lognormal:mean=512,sigma=1.0,cap=4096  # the length mix of docs/benchmarks.md, "Length mixes and the slot pool"
+
+t_lengths() {  # [gen-06|gen-4b|partial|step-uniform ...]: the mix against uniform lengths at its mean (512)
+    local p parts=("$@") mix=$MIX mean=512 batches=4 gen=()
+    [ ${#parts[@]} -eq 0 ] && parts=(gen-06 partial)
+    for p in "${parts[@]}"; do
+        case $p in gen-06|gen-4b|partial|step-uniform) ;;
+            *) die "lengths: unknown part $p (gen-06, gen-4b, partial, step-uniform)" ;; esac
+    done
+    setup
+    if dry; then  # the tiny shape on the CPU: the commands parse and report
+        mix=lognormal:mean=8,sigma=1.0,cap=32 mean=8 batches=2
+        gen=(--set rollout.batch_prompts=2 --set rollout.n_samples=2)
+    fi
+    for p in "${parts[@]}"; do
+        case $p in
+            gen-06|gen-4b)  # fully_async's engine: the slot pool against static batches
+                local shape=qwen3-0.6b
+                [ "$p" = gen-4b ] && shape=qwen3-4b
+                dry && shape=qwen3-tiny
+                bench "lengths-generate-$shape-lognormal" 180 generate --shape "$shape" --cache "$SCRATCH/bench-step" \
+                    --set rollout.device="$DEV" --lengths "$mix" --batches "$batches" --warmup 1 "${gen[@]}"
+                bench "lengths-generate-$shape-uniform" 90 generate --shape "$shape" --cache "$SCRATCH/bench-step" \
+                    --set rollout.device="$DEV" --lengths uniform --set rollout.sampling.max_new_tokens=$mean \
+                    --batches "$batches" --warmup 1 "${gen[@]}" ;;
+            partial)  # colocate on the mix without and with partial rollouts
+                step lengths-step-qwen3-0.6b-lognormal 170 "${STEP_06[@]}" --steps 4 --peers none --lengths "$mix"
+                step lengths-step-qwen3-0.6b-partial 150 "${STEP_06[@]}" --steps 4 --peers none --lengths "$mix" \
+                    --partial 1.25 ;;
+            step-uniform)
+                step lengths-step-qwen3-0.6b-uniform 150 "${STEP_06[@]}" --steps 4 --peers none --new-tokens $mean ;;
+        esac
+    done
+}
+
 # ------------------------------------------------------------------------------------------------------- main
 
 target=${1:-}
@@ -445,5 +484,6 @@ case $target in
     decode-attention) t_decode_attention ;;
     proof) t_proof "$@" ;;
     vllm) t_vllm "$@" ;;
+    lengths) t_lengths "$@" ;;
     *) die "unknown target '$target' (targets: $TARGETS)" ;;
 esac
