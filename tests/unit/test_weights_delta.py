@@ -104,6 +104,28 @@ def test_corrupted_delta_payload_fails_the_per_tensor_checksum(tmp_path: Path) -
         load_snapshot(folder, verify="size")
 
 
+def test_pieces_are_checked_by_xxh3_and_those_without_it_by_sha256(tmp_path: Path) -> None:
+    """A delta piece records the xxh3_128 of its reconstructed bytes, which the reader checks; a piece that has only
+    the sha256 (a delta written before the xxh3 field) is checked by that, and a wrong sha256 is still caught."""
+    import xxhash
+
+    rd, states = _published(tmp_path)
+    folder = rd.snapshot(3)
+    m = json.loads((folder / "manifest.json").read_text())
+    pieces = {name: t["pieces"][0] for name, t in m["tensors"].items()}
+    for name, piece in pieces.items():
+        assert piece["xxh3_128"] == xxhash.xxh3_128_hexdigest(states[2][name].contiguous().view(torch.uint8).numpy())
+    for piece in pieces.values():
+        del piece["xxh3_128"]
+    (folder / "manifest.json").write_text(json.dumps(m))
+    got, _ = load_snapshot(folder, verify="size")
+    assert all(torch.equal(got[k].view(torch.uint8), states[2][k].view(torch.uint8)) for k in states[2])
+    pieces["w"]["sha256"] = "0" * 64
+    (folder / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SnapshotError, match=r"tensor 'w'.*checksum"):
+        load_snapshot(folder, verify="size")
+
+
 def test_corrupted_base_falls_back_to_newest_intact_full_version(tmp_path: Path) -> None:
     rd = RunDir.create(tmp_path / "run")
     pub = SnapshotPublisher(rd, keep_last=10, delta=DeltaPolicy(every_full=3))
