@@ -433,7 +433,7 @@ print('vllm', vllm.__version__, vllm.__file__)" 2>&1 | tail -3 | tee "$OUT/vllm-
 MIX=lognormal:mean=512,sigma=1.0,cap=4096  # the length mix of docs/benchmarks.md, "Length mixes and the slot pool"
 
 t_lengths() {  # [gen-06|gen-4b|partial|step-uniform ...]: the mix against uniform lengths at its mean (512)
-    local p parts=("$@") mix=$MIX mean=512 batches=4 gen=()
+    local p parts=("$@") mix=$MIX mean=512 batches=2 gen=()
     [ ${#parts[@]} -eq 0 ] && parts=(gen-06 partial)
     for p in "${parts[@]}"; do
         case $p in gen-06|gen-4b|partial|step-uniform) ;;
@@ -450,7 +450,7 @@ t_lengths() {  # [gen-06|gen-4b|partial|step-uniform ...]: the mix against unifo
                 local shape=qwen3-0.6b
                 [ "$p" = gen-4b ] && shape=qwen3-4b
                 dry && shape=qwen3-tiny
-                bench "lengths-generate-$shape-lognormal" 180 generate --shape "$shape" --cache "$SCRATCH/bench-step" \
+                bench "lengths-generate-$shape-lognormal" 300 generate --shape "$shape" --cache "$SCRATCH/bench-step" \
                     --set rollout.device="$DEV" --lengths "$mix" --batches "$batches" --warmup 1 "${gen[@]}"
                 bench "lengths-generate-$shape-uniform" 90 generate --shape "$shape" --cache "$SCRATCH/bench-step" \
                     --set rollout.device="$DEV" --lengths uniform --set rollout.sampling.max_new_tokens=$mean \
