@@ -58,7 +58,7 @@ def status_state(run: Path) -> str:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_launcher_ends_the_run_interrupted_and_resume_says_where(tmp_path: Path, sig: int) -> None:
     run = tmp_path / "run"
-    proc = start(run)
+    proc = start(run, "--set", "num_steps=40")  # 8 steps (0.04 s each) ended before the signal on a loaded machine
     wait_for_checkpoint(run, proc)
     proc.send_signal(sig)  # Ctrl-C (the launcher; the roles checkpoint on the launcher's SIGTERM) or a kill
     _, err = proc.communicate(timeout=180)
