@@ -36,7 +36,8 @@ def test_every_result_names_its_machine_date_and_command() -> None:
         else:
             header = f.read_text().splitlines()[0]
             assert header.startswith("# ") and re.search(r"2\d{3}-\d\d-\d\d", header), f.name
-        assert re.search(r"-(h200|h100|h200host2cpu|dev1cpu|dev2cpu|h200-1gpu|dev2cpu-16runs)\.(json|txt)$", f.name), f.name
+        machine = r"h200|h100|h200host2cpu|dev1cpu|dev2cpu|h200-1gpu|dev2cpu-16runs"
+        assert re.search(rf"-({machine})\.(json|txt)$", f.name), f.name
 
 
 def test_the_benchmarks_page_is_a_page() -> None:

@@ -94,3 +94,27 @@ def test_injected_write_error_names_the_file(tmp_path, monkeypatch):
         pub.publish({"a": torch.ones(16), "b": torch.ones(16), "c": torch.ones(16)}, 2, 2)
     assert latest_version(rd) == 1 and no_debris(rd)
     assert torch.equal(SnapshotReader(rd).load().state_dict["a"], torch.ones(4))
+
+
+def test_a_large_file_read_on_several_threads_is_byte_exact_and_a_short_one_is_refused(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """Unhashed reads of large files split into one range per core (preadv per thread): every byte lands where it
+    belongs, and a file that ends before its size (truncated after the stat) is a SnapshotError."""
+    import numpy as np
+
+    from relax_hpc.errors import SnapshotError
+    from relax_hpc.weights import format as fmt
+
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(fmt, "PARALLEL_READ_BYTES", 1 << 18)
+    monkeypatch.setattr(fmt, "usable_cores", lambda: 3)
+    data = np.random.default_rng(0).integers(0, 256, (1 << 20) + 12345, dtype=np.uint8).tobytes()
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    buf, stream = fmt.read_file(path, len(data), None)
+    assert stream == -1 and buf.numpy().tobytes() == data
+    real_stat = fmt.os.stat
+    monkeypatch.setattr(fmt.os, "stat", lambda p: type("S", (), {"st_size": len(data) + 100})()
+                        if Path(p) == path else real_stat(p))
+    with pytest.raises(SnapshotError, match="ended after"):
+        fmt.read_file(path, len(data) + 100, None)
