@@ -58,7 +58,8 @@ def status_state(run: Path) -> str:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_launcher_ends_the_run_interrupted_and_resume_says_where(tmp_path: Path, sig: int) -> None:
     run = tmp_path / "run"
-    proc = start(run, "--set", "num_steps=40")  # 8 steps (0.04 s each) ended before the signal on a loaded machine
+    # a run that cannot end before the signal (short runs of 0.04 s steps did on a loaded machine: exit 0, not 130)
+    proc = start(run, "--set", "num_steps=100000")
     wait_for_checkpoint(run, proc)
     proc.send_signal(sig)  # Ctrl-C (the launcher; the roles checkpoint on the launcher's SIGTERM) or a kill
     _, err = proc.communicate(timeout=180)
@@ -68,6 +69,9 @@ def test_signal_to_the_launcher_ends_the_run_interrupted_and_resume_says_where(t
     assert status_state(run) == "interrupted"
     if sig == signal.SIGTERM:
         return
+    config = json.loads((run / "config.json").read_text())  # resumed, the run ends 3 steps after its checkpoint
+    config["num_steps"] = max(int(p.name.split("_")[-1]) for p in (run / "checkpoints").glob("step_*")) + 3
+    (run / "config.json").write_text(json.dumps(config))
     res = cli("resume", str(run), timeout=300)
     assert res.returncode == 0, res.stderr
     m = re.search(r"resuming from step (\d+) \(checkpoint (\S+)\)", res.stdout)
