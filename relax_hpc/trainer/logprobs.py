@@ -188,7 +188,8 @@ def chunked_supported(model: Any, mb: Any, *, world_size: int = 1) -> bool:
 
 def model_supported(model: Any, *, world_size: int = 1) -> bool:
     """:func:`chunked_supported` without a micro-batch (text-only micro-batches of this model)."""
-    if world_size > 1 or not type(model).__name__.endswith("ForCausalLM"):
+    name = type(model).__name__
+    if world_size > 1 or not name.endswith("ForCausalLM") or name.startswith("Peft"):  # PEFT: pass the module it wraps
         return False
     head = getattr(model, "lm_head", None)
     if not isinstance(head, torch.nn.Linear) or head.bias is not None or not hasattr(model, "model"):

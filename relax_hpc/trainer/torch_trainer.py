@@ -97,8 +97,9 @@ class TorchBackend(TrainerBackend):
 
         from relax_hpc.trainer.logprobs import chunked_supported, response_logprobs
 
-        if chunked_supported(model, mb, world_size=self.world_size):  # no [T, V] logits (trainer/logprobs.py)
-            return response_logprobs(model, mb, temperature=self.temperature, with_entropy=with_entropy,
+        hf = self.generation_model() if model is self.model else model  # a LoRA policy: the module PEFT wraps
+        if chunked_supported(hf, mb, world_size=self.world_size):  # no [T, V] logits (trainer/logprobs.py)
+            return response_logprobs(hf, mb, temperature=self.temperature, with_entropy=with_entropy,
                                      fused=None if self.cfg.trainer.fused_head else False)
         logits = response_logits(model, mb).float() / self.temperature  # [T, V]
         logp_all = torch.log_softmax(logits, dim=-1)
@@ -302,7 +303,7 @@ class TorchBackend(TrainerBackend):
         never built (trainer/logprobs.py): attention then stays within rows, whatever the kernel."""
         from relax_hpc.trainer.logprobs import model_supported
 
-        if model_supported(self.model, world_size=self.world_size):
+        if model_supported(self.generation_model(), world_size=self.world_size):
             return True
         vocab = int(getattr(getattr(self.model, "config", None), "vocab_size", 1 << 20))
         return vocab * self.cfg.trainer.micro_batch_tokens <= (1 << 26)

@@ -217,3 +217,27 @@ def test_fast_path_buffers_match_the_adapter(save: list[str]) -> None:
     tpl = adapter_template(_fresh_base(cfg), cfg.model.lora)
     assert sorted(state) == sorted(tpl)
     assert all(state[k].shape == tpl[k].shape for k in state)
+
+
+def test_a_lora_policy_takes_the_chunked_head_and_matches_full_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LoRA policy's log-probs through the chunked head (the path of real vocabularies: SmolLM2's 49k tokens took
+    it, and the PEFT wrapper's ``.model`` is the whole causal LM, whose output has no ``last_hidden_state``): they
+    run through the module PEFT wraps, adapters included, and equal the full-logits path."""
+    from relax_hpc.trainer import logprobs as L
+    from relax_hpc.trainer.batch import build_micro_batch
+
+    cfg = make_cfg(model=LORA, trainer={"lr": 1e-2})
+    backend, _ = _backend(cfg)
+    _train_steps(backend)  # lora_B away from zero: the adapters change the log-probs
+    assert not L.model_supported(backend.model)  # the PEFT wrapper itself is never taken for a plain causal LM
+    mb = build_micro_batch(make_items(seed=5))
+    monkeypatch.setattr(L, "SMALL_LOGITS", 0)
+    assert L.chunked_supported(backend.generation_model(), mb)
+    with torch.no_grad():
+        chunked, _ = backend.sequence_logprobs(backend.model, mb)
+        monkeypatch.setattr(L, "SMALL_LOGITS", 1 << 62)
+        full, _ = backend.sequence_logprobs(backend.model, mb)
+        with backend.model.disable_adapter():
+            base, _ = backend.sequence_logprobs(backend.model, mb)
+    assert torch.allclose(chunked, full, atol=1e-5)
+    assert not torch.allclose(full, base, atol=1e-4)  # the adapters are in both
