@@ -33,9 +33,12 @@ def cli(*argv: str, timeout: float = 300, **extra: str) -> subprocess.CompletedP
 
 
 def start(run: Path, *more: str) -> subprocess.Popen[str]:
+    """The launcher as a terminal starts it: SIGINT at its default (a non-interactive shell's background job, as a
+    CI runner may start the suite, passes SIGINT on ignored, and Ctrl-C would then be ignored, as Unix intends)."""
     return subprocess.Popen([sys.executable, "-m", "relax_hpc", "submit", str(DEMO), "--executor", "local",
                              "--run-dir", str(run), *SHORT, *more], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env())
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_checkpoint(run: Path, proc: subprocess.Popen[str] | None, timeout_s: float = 240) -> None:
