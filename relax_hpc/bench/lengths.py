@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -154,6 +154,9 @@ class LengthMixEngine(RolloutEngine):
     def __init__(self, inner: RolloutEngine, law: LengthLaw):
         self.inner, self.law = inner, law
         self.windows: list[dict[str, float]] = []
+        # the capabilities are the wrapped engine's (the class defaults would declare a shared module's engine
+        # unshared: the colocate hand-over then copied the trainer's state into its own module)
+        self.shared, self.threaded, self.can_sleep = inner.shared, inner.threaded, inner.can_sleep
 
     @property
     def version(self) -> int:
@@ -193,11 +196,23 @@ class LengthMixEngine(RolloutEngine):
         self.windows.append(self.inner.metrics())
         await self.inner.close()
 
+    async def run_on_thread(self, fn: Callable[[], Any]) -> Any:
+        return await self.inner.run_on_thread(fn)
+
+    async def sleep(self, level: int) -> None:
+        await self.inner.sleep(level)
+
+    async def wake(self, *, weights_only: bool = False) -> None:
+        await self.inner.wake(weights_only=weights_only)
+
     def metrics(self) -> dict[str, float]:
         return self.inner.metrics()
 
     def weight_template(self) -> Mapping[str, Any] | None:
         return self.inner.weight_template()
+
+    def transfer_ranks(self) -> int | None:
+        return self.inner.transfer_ranks()
 
 
 class LengthMixWrapper:

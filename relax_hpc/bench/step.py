@@ -18,6 +18,11 @@ model, prompts and lengths (``--peers``; they run uniform lengths of ``--new-tok
 ``transformers.generate`` with a static cache (one warm-up call, then a timed one); ``trl`` = TRL's
 ``GRPOTrainer`` (transformers generate, no vLLM; the optional ``trl`` extra), seconds per optimizer step from a
 callback. ``--profile DIR`` also writes torch.profiler tables of a few decode steps and of one training step.
+
+``--lora RANK`` then runs the same loop again with ``model.lora`` (rank RANK, alpha 2 x RANK, the default target
+modules) after the full fine-tuning run, in the same process, and reports the adapter run's step, train and
+hand-over times and peak GPU memory beside the full run's, with the ratios LoRA / full (peak memory counted above what
+was allocated when each run started, so anything the first run left behind is not charged to either).
 """
 
 from __future__ import annotations
@@ -302,6 +307,7 @@ def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
     params = count_params(folder)
     root = dirs.new("step")
     root.mkdir(parents=True, exist_ok=True)
+    before = _allocated_gb()
     steps, peak, windows = run_loop(rec, root, law)
     res: dict[str, Any] = {"benchmark": "step", "shape": a.shape, "backend": a.backend, "params": params,
                            "batch": f"{a.prompts} prompts x {a.samples} samples, {law.cap} new tokens at most",
@@ -313,16 +319,19 @@ def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
     res.update(summarize(steps, a, params, prompt_lengths(rec, len(steps))))
     res.update(decode_figures(windows, a))
     res["peak_gpu_memory_gb"] = peak
-    gc.collect()
-    if a.device == "cuda":
-        torch.cuda.empty_cache()
+    res["memory_before_gb"] = before
+    del windows
+    _release()
+    if a.lora:
+        res.update(lora_figures(rec, a, dirs, law, params, res))
+        _release()
     if a.profile:
         from relax_hpc.bench.step_profile import profile_phases
 
         res["profile"] = profile_phases(rec, Path(a.profile), a)
         gc.collect()
         torch.cuda.empty_cache()
-    peers = {p for p in a.peers.split(",") if p and p != "none"}
+    peers = {p for p in (a.peers or ("none" if a.lora else "generate,trl")).split(",") if p and p != "none"}
     if "generate" in peers:
         res.update(peer_generate(folder, rec, a))
         gc.collect()
@@ -333,6 +342,64 @@ def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
             res["step_speedup_vs_trl"] = res["trl_step_s_median"] / res["step_s_steady"]
     res["machine"] = machine()
     return res
+
+
+def lora_figures(rec: dict[str, Any], a: argparse.Namespace, dirs: ScratchDirs, law: Any, params: int,
+                 full: dict[str, Any]) -> dict[str, Any]:
+    """``--lora``: the same loop with ``model.lora`` (rank ``a.lora``, alpha twice that), its figures as ``lora_*``
+    and the ratios to the full fine-tuning run ``full``."""
+    import copy
+
+    lrec = copy.deepcopy(rec)
+    lrec["name"] += "-lora"
+    lrec["model"]["lora"] = {"rank": a.lora, "alpha": 2.0 * a.lora}
+    root = dirs.new("step-lora")
+    root.mkdir(parents=True, exist_ok=True)
+    before = _allocated_gb()
+    steps, peak, _ = run_loop(lrec, root, law)
+    s = summarize(steps, a, params, [])
+    out: dict[str, Any] = {"lora_rank": a.lora, "lora_alpha": 2.0 * a.lora,
+                           "lora_trainable_params": lora_params(Path(rec["model"]["path"]), a.lora)}
+    for key in ("step_s_steady", "generate_s", "train_s", "hand_over_s", "train_tokens_per_s",
+                "generation_tokens_per_s"):
+        out[f"lora_{key}"] = s[key]
+    out["lora_per_step"] = s["per_step"]
+    out["lora_peak_gpu_memory_gb"] = peak
+    out["lora_memory_before_gb"] = before
+    out["lora_step_vs_full"] = s["step_s_steady"] / full["step_s_steady"]
+    out["lora_train_vs_full"] = s["train_s"] / full["train_s"] if full["train_s"] else float("nan")
+    out["lora_peak_memory_vs_full"] = (peak - before) / (full["peak_gpu_memory_gb"] - full["memory_before_gb"])
+    return out
+
+
+def lora_params(folder: Path, rank: int) -> int:
+    """Trainable parameters of a rank-``rank`` adapter on the folder's model (default targets; meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from relax_hpc.config.schema import LoraConfig
+    from relax_hpc.models.lora import adapter_template
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return sum(t.numel() for t in adapter_template(model, LoraConfig(rank=rank)).values())
+
+
+def _allocated_gb() -> float:
+    """GPU memory allocated now (GB; NaN without CUDA)."""
+    import torch
+
+    return torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
+
+
+def _release() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _sync() -> None:
@@ -383,7 +450,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "layers' elementwise work fused by torch.compile inside the CUDA graphs)")
     p.add_argument("--compile-layers", action="store_true", help="trainer.compile_layers (compiled decoder layers "
                    "for training)")
-    p.add_argument("--peers", default="generate,trl", help="comma list of generate, trl (or none)")
+    p.add_argument("--peers", default=None, help="comma list of generate, trl (or none; default generate,trl, and "
+                   "none with --lora)")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK", help="then the same loop with model.lora of "
+                   "this rank (alpha 2 x RANK): step time and peak memory against the full fine-tuning run")
     p.add_argument("--trl-steps", type=int, default=3, help="TRL steps (the first is reported apart)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the decode bound (H200: 4.8)")
@@ -398,6 +468,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--steps, --prompts, --samples, --new-tokens, --micro-batch-tokens must be >= 1")
     if a.partial is not None and not 1.0 <= a.partial <= 4.0:
         p.error("--partial: an overprovision from 1 to 4")
+    if a.lora is not None and a.lora < 1:
+        p.error("--lora: a rank >= 1")
+    if a.lora and a.backend == "megatron":
+        p.error("--lora: the megatron backend does not train adapters (use --backend torch)")
     return a
 
 

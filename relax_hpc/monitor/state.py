@@ -127,6 +127,16 @@ class _Trainer:
             self.step_times.append((step, t))
 
 
+def last_progress(step_time: float | None, started: Any) -> float | None:
+    """When the trainer last made progress: the record that first showed its step, or the start of the trainer
+    process now running where that is later (a resumed run's trainer has shown no step of its own yet; the step
+    record it resumed from may be hours old, and is no stall)."""
+    start = float(started) if isinstance(started, int | float) else None
+    if step_time is None or start is None:
+        return step_time if start is None else start
+    return max(step_time, start)
+
+
 class RunMonitor:
     """Incrementally follows one run dir. Raises :class:`relax_hpc.errors.RunDirError` if it is not one."""
 
@@ -312,7 +322,7 @@ class RunMonitor:
         snap["weight_version"] = self._weight_version(tr)
         snap["trainer_proc"] = tproc
         snap["trainer_state"] = roles[tproc]["state"] if tproc in roles else None
-        snap["last_progress_time"] = tr.progress_time if tr.progress_time is not None else hb.get("started")
+        snap["last_progress_time"] = last_progress(tr.progress_time, hb.get("started"))
         snap["metrics"] = dict(tr.metrics)
         snap["roles"] = roles
         recent = sorted(self._recent, key=lambda r: r["time"] or 0.0)[-20:]

@@ -89,6 +89,35 @@ def test_length_mix_engine_sets_each_requests_budget() -> None:
     assert occ["decode_occupancy"] == pytest.approx(0.875) and occ["decode_low_occupancy_s"] == pytest.approx(0.2)
 
 
+def test_length_mix_engine_is_the_wrapped_engine_at_every_seam() -> None:
+    """The wrapper declares the wrapped engine's capabilities and passes every hook of the engine interface on (it
+    once kept the interface's defaults: colocate's hand-over took a shared module's engine for unshared and copied
+    the trainer's whole state into that same module every step, and a LoRA policy's adapter-only state was refused)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from relax_hpc.config.schema import SamplingConfig
+    from relax_hpc.rollout.engine import RolloutEngine
+    from relax_hpc.rollout.hf_engine import HFEngine
+    from tests.helpers.tinymodel import VOCAB, tiny_model
+
+    hooks = [n for n, f in vars(RolloutEngine).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert {"generate", "receive", "run_on_thread", "sleep", "wake", "weight_template"} <= set(hooks)
+    assert [n for n in hooks if n not in vars(LengthMixEngine)] == []
+    inner = HFEngine(tiny_model(), SimpleNamespace(eos_token_id=VOCAB, pad_token_id=0), SamplingConfig(), threads=1,
+                     shared=True)
+    try:
+        eng = LengthMixEngine(inner, Uniform(4))
+        assert inner.shared and inner.threaded
+        assert (eng.shared, eng.threaded, eng.can_sleep) == (inner.shared, inner.threaded, inner.can_sleep)
+        import threading
+
+        where = asyncio.run(eng.run_on_thread(threading.get_ident))
+        assert where != threading.get_ident()  # on the wrapped engine's own thread
+    finally:
+        inner.shutdown()
+
+
 def test_bench_generate_with_a_length_mix() -> None:
     r = cli("bench", "generate", "--json", "--lengths", "lognormal:mean=10,sigma=1.0,cap=30", "--batches", "3",
             "--warmup", "1", "--set", "rollout.batch_prompts=4", "--set", "rollout.n_samples=2", timeout=300)

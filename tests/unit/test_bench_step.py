@@ -1,5 +1,6 @@
 """``relax-hpc bench step`` end to end on the CPU (the tiny shape with the real Qwen vocabulary, one timed step,
-transformers.generate as the peer): exit 0 and every figure present and sane; bad input gets one error line."""
+transformers.generate as the peer, then the same loop with a LoRA adapter): exit 0 and every figure present and
+sane; bad input gets one error line."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def test_bench_step_cpu_json(tmp_path) -> None:
     r = cli("bench", "step", "--device", "cpu", "--shape", "qwen3-tiny", "--steps", "1", "--warmup-steps", "1",
             "--prompts", "2", "--samples", "2", "--new-tokens", "4", "--micro-batch-tokens", "512",
             "--peers", "generate", "--cache", str(tmp_path / "cache"), "--profile", str(tmp_path / "prof"), "--json",
-            timeout=600)
+            "--lora", "8", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["steps"] == 2 and len(res["per_step"]) == 2
@@ -33,6 +34,14 @@ def test_bench_step_cpu_json(tmp_path) -> None:
     assert prof["decode_ms_per_step"] > 0 and prof["profiled_train_step_s"] > 0
     for table in ("decode_profile.txt", "train_profile.txt"):
         assert "Self CPU" in (tmp_path / "prof" / table).read_text()
+    # --lora 8: the same loop with a rank-8 adapter (alpha 16) on the default targets of the 2-layer shape: per layer
+    # r x (in + out) of q (64, 64), k and v (64, 32), o (64, 64), gate and up (64, 128), down (128, 64)
+    assert res["lora_rank"] == 8 and res["lora_alpha"] == 16.0
+    assert res["lora_trainable_params"] == 2 * 8 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
+    assert len(res["lora_per_step"]) == 2
+    for k in ("lora_step_s_steady", "lora_train_s", "lora_hand_over_s", "lora_step_vs_full", "lora_train_vs_full"):
+        assert isinstance(res[k], float) and res[k] > 0, k
+    assert res["lora_peak_gpu_memory_gb"] is None  # no GPU: no memory figure (NaN in Python, null in JSON)
 
 
 def test_bench_step_cuda_without_a_gpu() -> None:
@@ -42,6 +51,13 @@ def test_bench_step_cuda_without_a_gpu() -> None:
         pytest.skip("this machine has a GPU")
     r = cli("bench", "step", "--device", "cuda", "--peers", "none", timeout=120)
     assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, words", [(["--lora", "0"], "--lora: a rank >= 1"),
+                                         (["--lora", "8", "--backend", "megatron"], "does not train adapters")])
+def test_bench_step_bad_lora_is_one_error_line(args: list[str], words: str) -> None:
+    r = cli("bench", "step", "--device", "cpu", *args, timeout=120)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow

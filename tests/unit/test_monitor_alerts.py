@@ -177,3 +177,22 @@ def test_stall_of_a_trainer_that_only_heartbeats(tmp_path: Path) -> None:
     assert [(a.event, a.target) for a in detect(snap, now=time.time() + 90)] == [("stall", "trainer-0")]
     hb.beat(step=3)
     assert detect(mon.refresh(), now=time.time() + 30) == []
+
+
+def test_a_resumed_trainer_is_not_stalled_by_the_age_of_the_step_it_resumed_from(tmp_path: Path) -> None:
+    """A resume restarts the trainer at the checkpoint's step: the last step record (of the run before) may be hours
+    old, and the new process has shown no step yet. Its start counts as progress; the stall limit runs from there."""
+    rd = RunDir.create(tmp_path / "run")
+    atomic_write_json(rd.config, {"num_steps": 40, "monitor": {"stall_minutes": 15}})
+    with EventLog(rd, "trainer", 0) as log:
+        log.metrics({"train/loss": 0.3}, step=14)
+    lines = rd.events.joinpath("trainer-0.jsonl").read_text().splitlines()
+    old = [json.loads(line) for line in lines]
+    for r in old:  # the run before stopped 80 minutes ago
+        r["time"] -= 80 * 60
+    rd.events.joinpath("trainer-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    Heartbeat(rd, "trainer", 0).beat(state="running", step=14)  # the resumed trainer, just started
+    snap = RunMonitor(rd).refresh()
+    assert snap["step"] == 14 and time.time() - snap["last_progress_time"] < 60
+    assert detect(snap) == []
+    assert [a.event for a in detect(snap, now=time.time() + 16 * 60)] == ["stall"]  # stuck since its start: a stall

@@ -24,6 +24,8 @@
 #                                     generate, pool vs static batches, against uniform 512; bench step on the mix
 #                                     without and with partial rollouts; bench step at uniform 512
 #                                     (default: gen-06 partial)
+#   lora [4b|0.6b ...]                bench step --lora 64: the colocate loop with full fine-tuning, then with a
+#                                     rank-64 adapter, step time and peak memory side by side (default: 4b)
 #
 # Environment: OUT (results; default /tmp/relax-gpu-suite), WHEELS (default .whl: installed to /tmp/site first when
 # it holds wheels), DRY_RUN=1 (on a CPU machine: tests collected only, tiny shapes, --device cpu; checks that the
@@ -36,7 +38,7 @@ cd "$REPO" || exit 1
 OUT=${OUT:-/tmp/relax-gpu-suite}
 SCRATCH=${SCRATCH:-/tmp/relax-gpu-scratch}
 ERR=$OUT/err.log
-TARGETS="env tests step-0.6b step-4b megatron multi-gpu pipeline generate decode-attention carry proof vllm lengths"
+TARGETS="env tests step-0.6b step-4b megatron multi-gpu pipeline generate decode-attention carry proof vllm lengths lora"
 PROOF=${PROOF:-/tmp/relax-proof}  # the proof's run dirs (outside $OUT: they are large)
 PROOF_RECIPE=recipes/smollm2-135m-arithmetic-gpu.yaml
 
@@ -465,6 +467,21 @@ t_lengths() {  # [gen-06|gen-4b|partial|step-uniform ...]: the mix against unifo
     done
 }
 
+t_lora() {  # [4b|0.6b ...]: full fine-tuning, then LoRA rank 64, in one bench step run
+    local v variants=("$@")
+    [ ${#variants[@]} -eq 0 ] && variants=(4b)
+    for v in "${variants[@]}"; do
+        case $v in 4b|0.6b) ;; *) die "lora: unknown variant $v (4b, 0.6b)" ;; esac
+    done
+    setup
+    for v in "${variants[@]}"; do
+        case $v in
+            4b) step lora-step-qwen3-4b 480 "${STEP_4B[@]}" --steps 3 --lora 64 ;;
+            0.6b) step lora-step-qwen3-0.6b 300 "${STEP_06[@]}" --steps 4 --lora 64 ;;
+        esac
+    done
+}
+
 # ------------------------------------------------------------------------------------------------------- main
 
 target=${1:-}
@@ -485,5 +502,6 @@ case $target in
     proof) t_proof "$@" ;;
     vllm) t_vllm "$@" ;;
     lengths) t_lengths "$@" ;;
+    lora) t_lora "$@" ;;
     *) die "unknown target '$target' (targets: $TARGETS)" ;;
 esac
