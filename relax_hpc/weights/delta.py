@@ -9,9 +9,9 @@ one codec at the ``offset``/``bytes`` its piece names. Codecs:
 * ``sparse``: little-endian uint32 indices of the changed elements, then their new values (raw);
 * ``raw``: the tensor's bytes zstd-compressed (a tensor new in this version or whose dtype/shape changed).
 
-Every piece carries checksums of the *reconstructed* tensor bytes (``xxh3_128``, which the reader checks, at
-about ten times sha256's speed, and the ``sha256`` a full version's piece carries), and ``delta.bin`` its file
-sha256 in ``files``, so a damaged delta, a damaged base and a base that is not the one the delta was made from are all
+Every piece carries the checksum of the *reconstructed* tensor bytes (``xxh3_128``, at about ten times sha256's
+speed; a piece written before that field carries their ``sha256``, which the reader then checks), and ``delta.bin``
+its file sha256 in ``files``, so a damaged delta, a damaged base and a base that is not the one the delta was made from are all
 detected (:class:`SnapshotError`); :class:`~relax_hpc.weights.reader.SnapshotReader` then falls back to an older
 intact version. The base is always a full version (never a chain of deltas): reconstruction reads the base and one
 delta. The publisher writes a full version every ``every_full`` versions and whenever a delta would exceed
@@ -165,8 +165,7 @@ def _decompress(z: Any, payload: bytes | memoryview, nbytes: int, scratch: np.nd
 def encode_delta(state: Mapping[str, torch.Tensor], base: Mapping[str, np.ndarray],
                  codec: Codec) -> tuple[list[bytes], dict[str, dict[str, Any]]]:
     """Encode ``state`` against ``base`` (name -> uint8 bytes of the base version): (payloads in order, pieces by
-    tensor name with ``codec``, ``offset``, ``bytes`` and the ``xxh3_128`` and ``sha256`` of the tensor's own
-    bytes)."""
+    tensor name with ``codec``, ``offset``, ``bytes`` and the ``xxh3_128`` of the tensor's own bytes)."""
     payloads: list[bytes] = []
     pieces: dict[str, dict[str, Any]] = {}
     offset = 0
@@ -174,7 +173,7 @@ def encode_delta(state: Mapping[str, torch.Tensor], base: Mapping[str, np.ndarra
         raw = _bytes(t)
         used, data = encode_tensor(raw, base.get(name), t.element_size(), codec)
         pieces[name] = {"file": DELTA_FILE, "key": name, "codec": used, "offset": offset, "bytes": len(data),
-                        "xxh3_128": tensor_checksum(raw.data), "sha256": hashlib.sha256(raw.data).hexdigest()}
+                        "xxh3_128": tensor_checksum(raw.data)}
         payloads.append(data)
         offset += len(data)
     return payloads, pieces

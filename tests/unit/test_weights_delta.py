@@ -4,6 +4,8 @@ keeps every base a kept or leased delta needs, and the HF folder a delta version
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 from pathlib import Path
 
@@ -115,8 +117,10 @@ def test_pieces_are_checked_by_xxh3_and_those_without_it_by_sha256(tmp_path: Pat
     pieces = {name: t["pieces"][0] for name, t in m["tensors"].items()}
     for name, piece in pieces.items():
         assert piece["xxh3_128"] == xxhash.xxh3_128_hexdigest(states[2][name].contiguous().view(torch.uint8).numpy())
-    for piece in pieces.values():
+        assert "sha256" not in piece  # one checksum per tensor on publish
+    for name, piece in pieces.items():  # a delta of before: sha256 instead
         del piece["xxh3_128"]
+        piece["sha256"] = hashlib.sha256(states[2][name].contiguous().view(torch.uint8).numpy().data).hexdigest()
     (folder / "manifest.json").write_text(json.dumps(m))
     got, _ = load_snapshot(folder, verify="size")
     assert all(torch.equal(got[k].view(torch.uint8), states[2][k].view(torch.uint8)) for k in states[2])
