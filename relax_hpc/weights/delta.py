@@ -11,10 +11,10 @@ one codec at the ``offset``/``bytes`` its piece names. Codecs:
 
 Every piece carries the checksum of the *reconstructed* tensor bytes (``xxh3_128``, at about ten times sha256's
 speed; a piece written before that field carries their ``sha256``, which the reader then checks), and ``delta.bin``
-its file sha256 in ``files``, so a damaged delta, a damaged base and a base that is not the one the delta was made from are all
-detected (:class:`SnapshotError`); :class:`~relax_hpc.weights.reader.SnapshotReader` then falls back to an older
-intact version. The base is always a full version (never a chain of deltas): reconstruction reads the base and one
-delta. The publisher writes a full version every ``every_full`` versions and whenever a delta would exceed
+its file sha256 in ``files``, so a damaged delta, a damaged base and a base that is not the one the delta was made
+from are all detected (:class:`SnapshotError`); :class:`~relax_hpc.weights.reader.SnapshotReader` then falls back to
+an older intact version. The base is always a full version (never a chain of deltas): reconstruction reads the base
+and one delta. The publisher writes a full version every ``every_full`` versions and whenever a delta would exceed
 ``max_fraction`` of the full size; retention keeps every base a kept (or leased) delta needs.
 
 A delta folder is not itself an HF model folder: :func:`relax_hpc.weights.materialise.materialise` writes

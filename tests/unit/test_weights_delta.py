@@ -5,7 +5,6 @@ keeps every base a kept or leased delta needs, and the HF folder a delta version
 from __future__ import annotations
 
 import hashlib
-
 import json
 from pathlib import Path
 
