@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -96,31 +95,30 @@ def run_state(code: int) -> str:
     return "completed" if code == 0 else "interrupted" if code in INTERRUPTED_CODES else "failed"
 
 
-def _interrupt_on_sigterm() -> Any:
-    """SIGTERM to the launcher stops the run as Ctrl-C does (the roles checkpoint); returns the old handler."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
-
-
 def follow_local(run_dir: RunDir, cfg: RecipeConfig, procs: list[Any], *, since: float | None = None) -> int:
     """Supervise a local run until it ends; write ``STATUS.json`` and print how it ended. ``since``: show only
     records written from then on (a resumed run)."""
-    from relax_hpc.fsio import atomic_write_json
-    from relax_hpc.launch.local import supervise
+    from relax_hpc.launch.local import Interrupts, supervise
 
     feed = ProgressFeed(run_dir, cfg, since=since)
     t0 = time.time()
-    old = _interrupt_on_sigterm()
+    interrupts = Interrupts().install()  # SIGTERM stops the run as Ctrl-C does (the roles checkpoint)
     try:
-        code = supervise(run_dir, cfg, procs, on_tick=feed.tick)
+        try:
+            code = supervise(run_dir, cfg, procs, on_tick=feed.tick, interrupts=interrupts)
+        finally:
+            interrupts.settle()  # the roles have exited: a signal now must not cut the recording of the end
+            feed.close()
+        return _record_end(run_dir, feed, code, t0, forced=interrupts.forced)
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
-        feed.close()
+        interrupts.restore()
+
+
+def _record_end(run_dir: RunDir, feed: ProgressFeed, code: int, t0: float, *, forced: bool = False) -> int:
+    """``STATUS.json`` and the lines saying how a local run ended; returns ``code``. ``forced``: the roles were
+    stopped before they finished checkpointing."""
+    from relax_hpc.fsio import atomic_write_json
+
     state = run_state(code)
     if not run_dir.status_file.exists() or state != "completed":
         atomic_write_json(run_dir.status_file, {"state": state, "exit_code": code, "time": time.time()})
@@ -131,8 +129,10 @@ def follow_local(run_dir: RunDir, cfg: RecipeConfig, procs: list[Any], *, since:
             msg += f": mean reward {r0:.3f} (first step) -> {r1:.3f} (last step)"
         print(msg)
     elif state == "interrupted":
-        print(f"run interrupted (exit code {code}): the roles checkpointed; continue with `relax-hpc resume "
-              f"{run_dir.root}`", file=sys.stderr)
+        how = "the roles were stopped before their checkpoint was done; `relax-hpc resume` continues from the last " \
+              "complete one" if forced else "the roles checkpointed"
+        print(f"run interrupted (exit code {code}): {how}; continue with `relax-hpc resume {run_dir.root}`",
+              file=sys.stderr)
     else:
         for line in dict.fromkeys(feed.errors):  # a user error of a role: its one line
             print(f"error: {line}", file=sys.stderr)

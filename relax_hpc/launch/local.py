@@ -134,18 +134,64 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def terminate(procs: list[LocalProc], *, timeout_s: float = 30.0) -> None:
-    """SIGTERM our processes (they checkpoint), then SIGKILL whatever is left after ``timeout_s``."""
+class Interrupts:
+    """Ctrl-C and SIGTERM to the launcher (:meth:`install` in the main thread). The first one stops the run: it
+    raises ``KeyboardInterrupt`` where the launcher is, which asks every role to checkpoint and stop
+    (:func:`terminate`). One more while they do kills them at once (their last complete checkpoint stands): it
+    raises nothing, so the launcher never leaves before its roles. After :meth:`settle` (the run has stopped and
+    its end is being recorded) signals are only counted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.settled = False
+        self.forced = False
+        """Whether :func:`terminate` stopped the roles at once (they may not have finished checkpointing)."""
+        self._old: dict[int, Any] = {}
+
+    def handler(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1 and not self.settled:
+            raise KeyboardInterrupt
+
+    def install(self) -> Interrupts:
+        """Handle SIGTERM, and SIGINT unless it is ignored (a background job's: left as it is). Main thread only."""
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._old[sig] = signal.signal(sig, self.handler)
+        return self
+
+    def settle(self) -> None:
+        self.settled = True
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+def terminate(procs: list[LocalProc], *, timeout_s: float = 30.0, interrupts: Interrupts | None = None) -> None:
+    """SIGTERM our processes (they checkpoint), then SIGKILL whatever is left after ``timeout_s``, or at once when
+    ``interrupts`` counts another signal meanwhile (a second Ctrl-C). Returns when every process has exited."""
     for p in procs:
         if p.popen.poll() is None:
             p.popen.send_signal(signal.SIGTERM)
+    seen = interrupts.count if interrupts is not None else 0
     end = time.monotonic() + timeout_s
+    while any(p.popen.poll() is None for p in procs) and time.monotonic() < end:
+        if interrupts is not None and interrupts.count > seen:
+            print("interrupted again: stopping the roles now (their last complete checkpoint stands)",
+                  file=sys.stderr)
+            interrupts.forced = True
+            break
+        time.sleep(0.05)
     for p in procs:
-        try:
-            p.popen.wait(timeout=max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if p.popen.poll() is None:
             p.popen.kill()
-            p.popen.wait(timeout=10)
+    for p in procs:
+        p.popen.wait(timeout=10)
 
 
 def record_restart(run_dir: RunDir, proc: LocalProc) -> None:
@@ -174,7 +220,7 @@ def _slots(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc]) -> list[A
 
 
 def supervise(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc], *, on_tick: Any = None,
-              poll_s: float = 0.5) -> int:
+              poll_s: float = 0.5, interrupts: Interrupts | None = None) -> int:
     """Wait for the run: done when the trainer side exits. Rollout workers are then stopped. Returns exit code.
 
     Dead processes are restarted by the role supervisor (:mod:`relax_hpc.launch.supervisor`: a killed or hung
@@ -182,7 +228,8 @@ def supervise(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc], *, on_
     per role. A trainer that fails for good stops the run (its exit code); a rollout worker that does is reported
     and the run goes on with the others. When every rollout worker has stopped for good on a user error (exit 2:
     bad input, e.g. an inference server that cannot start), nothing would ever feed the trainer, so the run stops
-    (the trainer checkpoints on SIGTERM) and the exit code is 2.
+    (the trainer checkpoints on SIGTERM) and the exit code is 2. ``interrupts``: the launcher's signal counter
+    (:class:`Interrupts`): a second Ctrl-C or SIGTERM while the roles checkpoint stops them at once.
     """
     slots = _slots(run_dir, cfg, procs)
     trainers = [s for s in slots if roles.is_trainer_side(s.role)]
@@ -197,10 +244,11 @@ def supervise(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc], *, on_
             codes = [s.final for s in trainers]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
-                terminate(procs)
+                terminate(procs, interrupts=interrupts)
                 return int(failed[0] or 1)
             if all(c == 0 for c in codes):
-                terminate([p for p in procs if not roles.is_trainer_side(p.role)], timeout_s=30)
+                terminate([p for p in procs if not roles.is_trainer_side(p.role)], timeout_s=30,
+                          interrupts=interrupts)
                 return 0
             for s in others:
                 if s.final not in (None, 0) and s.proc not in reported:
@@ -209,12 +257,13 @@ def supervise(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc], *, on_
             if others and all(s.final == 2 for s in others):
                 print("error: every rollout worker stopped on a user error (above); stopping the run",
                       file=sys.stderr)
-                terminate(procs)
+                terminate(procs, interrupts=interrupts)
                 return 2
             time.sleep(poll_s)
     except KeyboardInterrupt:
-        print("interrupted: asking every role to checkpoint and stop ...", file=sys.stderr)
-        terminate(procs)
+        print("interrupted: asking every role to checkpoint and stop (interrupt again to stop them now) ...",
+              file=sys.stderr)
+        terminate(procs, interrupts=interrupts)
         return 130
     finally:
         for s in slots:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from relax_hpc.launch.local import pid_alive
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "recipes" / "demo.yaml"
 SHORT = ["--set", "num_steps=8", "--set", "warmup.steps=2", "--set", "rollout.prompts_per_step=2",
@@ -58,19 +60,32 @@ def status_state(run: Path) -> str:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_to_the_launcher_ends_the_run_interrupted_and_resume_says_where(tmp_path: Path, sig: int) -> None:
+@pytest.mark.parametrize("sigs", [[signal.SIGINT], [signal.SIGTERM], [signal.SIGTERM, signal.SIGINT]],
+                         ids=["SIGINT", "SIGTERM", "SIGTERM-then-SIGINT"])
+def test_signal_to_the_launcher_ends_the_run_interrupted_and_resume_says_where(tmp_path: Path,
+                                                                              sigs: list[int]) -> None:
+    """Ctrl-C (the launcher; the roles checkpoint on the launcher's SIGTERM), a kill, or a kill then an impatient
+    Ctrl-C while the roles checkpoint (the roles are stopped at once): the run ends interrupted, and the launcher
+    exits only after every role it started."""
     run = tmp_path / "run"
     # a run that cannot end before the signal (short runs of 0.04 s steps did on a loaded machine: exit 0, not 130)
     proc = start(run, "--set", "num_steps=100000")
     wait_for_checkpoint(run, proc)
-    proc.send_signal(sig)  # Ctrl-C (the launcher; the roles checkpoint on the launcher's SIGTERM) or a kill
+    for i, sig in enumerate(sigs):
+        if i:
+            time.sleep(0.3)
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
     assert "run interrupted" in err and f"relax-hpc resume {run}" in err and "run failed" not in err, err
+    pids = [p["pid"] for p in json.loads((run / "launch.json").read_text())["procs"]]
+    assert pids and not [p for p in pids if pid_alive(p)]  # no role outlives the launcher
+    if "interrupted again" in err:  # the second signal came while the roles checkpointed (it nearly always does)
+        assert "stopped before their checkpoint was done" in err, err
     assert json.loads((run / "STATUS.json").read_text())["state"] == "interrupted"
     assert status_state(run) == "interrupted"
-    if sig == signal.SIGTERM:
+    if sigs != [signal.SIGINT]:
         return
     config = json.loads((run / "config.json").read_text())  # resumed, the run ends 3 steps after its checkpoint
     config["num_steps"] = max(int(p.name.split("_")[-1]) for p in (run / "checkpoints").glob("step_*")) + 3
