@@ -3,6 +3,7 @@ injected in place (a colocated engine sharing the module generates with it), the
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from relax_hpc.config.model import LoraConfig
@@ -35,7 +36,54 @@ def apply_lora(model: Any, cfg: LoraConfig) -> Any:
     pcfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                           target_modules=list(cfg.target_modules), modules_to_save=list(cfg.modules_to_save) or None,
                           task_type="CAUSAL_LM", bias="none")
-    return get_peft_model(model, pcfg)
+    peft_model = get_peft_model(model, pcfg)
+    compute_in_input_dtype(peft_model)
+    return peft_model
+
+
+def compute_in_input_dtype(peft_model: Any) -> int:
+    """On a half-precision base, the adapters keep float32 parameters (PEFT's default: their gradients and AdamW
+    state in float32, so small updates are not rounded away) but compute in the layer input's dtype, as mixed
+    precision does. PEFT's own path casts each adapted layer's input to float32 for the adapter and autograd keeps
+    that copy for the backward pass: at the Qwen3-4B shape that was 34 % more saved activation memory than full
+    fine-tuning (234 against 175 MB per 1,024 tokens per layer), so LoRA saved far less memory than it should.
+    Here the input goes to the adapter as it is (the tensor the base layer saved already), and each adapter matrix
+    is cast to the input's dtype in its forward (a rank x width copy). Returns the adapter matrices changed (none
+    on a float32 base, where nothing is cast)."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    changed = 0
+    for m in peft_model.modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        base = m.get_base_layer().weight
+        if base.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        m.cast_input_dtype_enabled = False  # PEFT's switch (peft.helpers.disable_input_dtype_casting)
+        for matrices in (m.lora_A, m.lora_B):
+            for lin in matrices.values():
+                if type(lin) is torch.nn.Linear:
+                    lin.__class__ = input_dtype_linear()  # the same parameters, under the same names
+                    changed += 1
+    return changed
+
+
+@functools.cache
+def input_dtype_linear() -> type:
+    """The ``torch.nn.Linear`` subclass of :func:`compute_in_input_dtype` (made on first use: torch is imported
+    lazily)."""
+    import torch
+    import torch.nn.functional as F
+
+    class InputDtypeLinear(torch.nn.Linear):
+        """An adapter matrix that computes in its input's dtype (its parameters stay as they are)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.to(x.dtype), bias)
+
+    return InputDtypeLinear
 
 
 def adapter_state(peft_model: Any) -> dict[str, Any]:

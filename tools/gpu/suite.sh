@@ -24,8 +24,9 @@
 #                                     generate, pool vs static batches, against uniform 512; bench step on the mix
 #                                     without and with partial rollouts; bench step at uniform 512
 #                                     (default: gen-06 partial)
-#   lora [4b|0.6b ...]                bench step --lora 64: the colocate loop with full fine-tuning, then with a
-#                                     rank-64 adapter, step time and peak memory side by side (default: 4b)
+#   lora [4b|4b-gc|0.6b ...]          bench step --lora 64: the colocate loop with full fine-tuning, then with a
+#                                     rank-64 adapter, step time and peak memory side by side; 4b-gc: both with
+#                                     gradient checkpointing (default: 4b)
 #
 # Environment: OUT (results; default /tmp/relax-gpu-suite), WHEELS (default .whl: installed to /tmp/site first when
 # it holds wheels), DRY_RUN=1 (on a CPU machine: tests collected only, tiny shapes, --device cpu; checks that the
@@ -467,16 +468,17 @@ t_lengths() {  # [gen-06|gen-4b|partial|step-uniform ...]: the mix against unifo
     done
 }
 
-t_lora() {  # [4b|0.6b ...]: full fine-tuning, then LoRA rank 64, in one bench step run
+t_lora() {  # [4b|4b-gc|0.6b ...]: full fine-tuning, then LoRA rank 64, in one bench step run
     local v variants=("$@")
     [ ${#variants[@]} -eq 0 ] && variants=(4b)
     for v in "${variants[@]}"; do
-        case $v in 4b|0.6b) ;; *) die "lora: unknown variant $v (4b, 0.6b)" ;; esac
+        case $v in 4b|4b-gc|0.6b) ;; *) die "lora: unknown variant $v (4b, 4b-gc, 0.6b)" ;; esac
     done
     setup
     for v in "${variants[@]}"; do
         case $v in
             4b) step lora-step-qwen3-4b 480 "${STEP_4B[@]}" --steps 3 --lora 64 ;;
+            4b-gc) step lora-step-qwen3-4b-gc 480 "${STEP_4B[@]}" --steps 3 --lora 64 --gradient-checkpointing ;;
             0.6b) step lora-step-qwen3-0.6b 300 "${STEP_06[@]}" --steps 4 --lora 64 ;;
         esac
     done
