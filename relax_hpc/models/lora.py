@@ -88,9 +88,14 @@ def input_dtype_linear() -> type:
 
 def adapter_state(peft_model: Any) -> dict[str, Any]:
     """The adapter's tensors under PEFT's file names (``adapter_model.safetensors``), detached, on the CPU."""
+    return {k: v.detach().cpu() for k, v in adapter_tensors(peft_model).items()}
+
+
+def adapter_tensors(peft_model: Any) -> dict[str, Any]:
+    """The adapter's tensors under PEFT's file names, where they are (the module's own: not to be written)."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(peft_model).items()}
+    return dict(get_peft_model_state_dict(peft_model))
 
 
 def adapter_config(peft_model: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -234,15 +234,17 @@ class PinnedCopier:
         buf.copy_(v, non_blocking=True)
         return buf
 
-    def copy(self, model: Any, optimizer: Any = None) -> HostCopy:
-        """Enqueue the copies of ``model``'s state (and ``optimizer``'s full state, when given)."""
+    def copy(self, model: Any, optimizer: Any = None, *, state: Mapping[str, Any] | None = None) -> HostCopy:
+        """Enqueue the copies of ``model``'s state, or of ``state`` (the tensors to copy by name, e.g. a LoRA
+        adapter's under PEFT's names), and ``optimizer``'s full state, when given."""
         import copy as copy_module
 
         import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         kind = "weights" if optimizer is None else "checkpoint"
-        unique, aliases = dedupe_shared({k: v.detach() for k, v in model.state_dict().items()})
+        named = model.state_dict() if state is None else state
+        unique, aliases = dedupe_shared({k: v.detach() for k, v in named.items()})
         osd: dict[str, Any] | None = None if optimizer is None else dict(get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True)))
         cache = self.buffers.setdefault(kind, {})

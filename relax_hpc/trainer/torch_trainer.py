@@ -397,12 +397,23 @@ class TorchBackend(TrainerBackend):
         return self.model.get_base_model() if self.lora else self.model  # the HF module (adapters injected)
 
     def host_copy_async(self, *, optimizer: bool = False) -> HostCopy | None:
-        """One GPU rank training the HF module itself: pinned copies on a side stream (:class:`PinnedCopier`)."""
-        if not hf_module_on_one_gpu(self):
+        """One GPU rank training the HF module itself: pinned copies on a side stream (:class:`PinnedCopier`); with
+        ``model.lora`` on one GPU the adapter's tensors (the weights a snapshot holds; a checkpoint's copy goes the
+        synchronous way)."""
+        adapter = self.lora and not optimizer and self.world_size == 1 and self._on_cuda()
+        if not adapter and not hf_module_on_one_gpu(self):
             return None
         if self._copier is None:
             self._copier = PinnedCopier(self.optimizer)
+        if adapter:
+            from relax_hpc.models.lora import adapter_tensors
+
+            return self._copier.copy(self.model, state=adapter_tensors(self.model))
         return self._copier.copy(self.model, self.optimizer if optimizer else None)
+
+    def _on_cuda(self) -> bool:
+        p = next(self.model.parameters(), None)
+        return p is not None and p.is_cuda
 
     def export_hf(self, path: Path | str, tokenizer: Any) -> None:
         if self.lora and self.world_size > 1:  # FSDP: the adapter gathered (every rank), rank 0 writes PEFT's files

@@ -88,3 +88,29 @@ def test_the_backend_trains_on_the_gpu(backend_factory: Any) -> None:
     backend.train_step(make_items(8, seed=6))
     after = backend.full_state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_lora_adapter_is_copied_to_the_host_on_a_side_stream() -> None:
+    """``model.lora`` on one GPU: the snapshot's weights (the adapter under PEFT's names) come from the pinned copy
+    on the side stream, equal to the synchronous copy after a training step; a checkpoint's copy stays synchronous
+    (None)."""
+    from relax_hpc.models.load import load_model, load_tokenizer
+    from relax_hpc.models.lora import adapter_state
+    from tests.helpers.backend_conformance import make_cfg, make_items
+
+    cfg = with_trainer(make_cfg(model={"lora": {"rank": 4, "alpha": 8.0}}), device="cuda")
+    tok = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, tok, device="cuda", dtype=torch.float32)
+    trainer = make_backend(cfg, model=model, rank=0, world_size=1, device="cuda", dtype=torch.float32,
+                           algorithm=get_algorithm(cfg.algorithm.name), tokenizer=tok)
+    trainer.begin_step()
+    trainer.accumulate(make_items(seed=0))
+    trainer.finish_step()
+    host = trainer.host_copy_async()
+    assert host is not None and trainer.host_copy_async(optimizer=True) is None
+    host.wait()
+    got, want = host.weights(), adapter_state(trainer.model)
+    assert got.keys() == want.keys() and got and all("lora_" in k for k in got)
+    assert any(bool(v.abs().sum() > 0) for k, v in want.items() if "lora_B" in k)  # the step moved B off zero
+    for k, v in want.items():
+        assert got[k].device.type == "cpu" and torch.equal(got[k], v), k
