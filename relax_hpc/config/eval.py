@@ -49,6 +49,9 @@ class EvalConfig(_Section):
     """Evaluate the initial weights (version 0) too: the curve's first point."""
     at_end: bool = True
     """Evaluate the final weights."""
+    end_timeout_s: float = Field(1800.0, gt=0, allow_inf_nan=False)
+    """fully_async: how long the launcher (local, or the Slurm job's script) waits for the evaluating worker's final
+    evaluation once the trainer has finished, beyond the workers' usual grace, before it stops the worker."""
     max_prompts: int | None = Field(None, ge=1)
     """Use only the first this many held-out prompts (None = all)."""
     n_samples: int = Field(1, ge=1)

@@ -219,6 +219,30 @@ def _slots(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc]) -> list[A
                  group=group_for(run_dir, cfg, roles.role_spec(p.role))) for p in procs]
 
 
+def await_helpers(helpers: list[LocalProc], grace_s: Callable[[LocalProc], float],
+                  interrupts: Interrupts | None) -> None:
+    """The trainer has finished: wait for the rollout workers to end by themselves, each up to ``grace_s(proc)``
+    (they see the run complete; the evaluating one evaluates the final weights first), as the Slurm job's script
+    does; a Ctrl-C or SIGTERM meanwhile stops the waiting (the caller then stops them)."""
+    seen = interrupts.count if interrupts is not None else 0
+    t0 = time.monotonic()
+    ends = {id(p): t0 + grace_s(p) for p in helpers}
+    said = False
+    try:
+        while True:
+            now = time.monotonic()
+            waiting = [p for p in helpers if p.popen.poll() is None and now < ends[id(p)]]
+            if not waiting or (interrupts is not None and interrupts.count > seen):
+                return
+            if not said and now - t0 > 5:
+                said = True
+                print(f"the trainer has finished; waiting for {', '.join(p.proc for p in waiting)} to end "
+                      "(the final evaluation) ...", file=sys.stderr)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        return
+
+
 def supervise(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc], *, on_tick: Any = None,
               poll_s: float = 0.5, interrupts: Interrupts | None = None) -> int:
     """Wait for the run: done when the trainer side exits. Rollout workers are then stopped. Returns exit code.
@@ -247,8 +271,10 @@ def supervise(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc], *, on_
                 terminate(procs, interrupts=interrupts)
                 return int(failed[0] or 1)
             if all(c == 0 for c in codes):
-                terminate([p for p in procs if not roles.is_trainer_side(p.role)], timeout_s=30,
-                          interrupts=interrupts)
+                helpers = [p for p in procs if not roles.is_trainer_side(p.role)]
+                await_helpers(helpers, lambda p: roles.rollout_grace_s(cfg, p.rank if p.role == "rollout" else -1),
+                              interrupts)
+                terminate(helpers, timeout_s=30, interrupts=interrupts)
                 return 0
             for s in others:
                 if s.final not in (None, 0) and s.proc not in reported:

@@ -35,9 +35,6 @@ from relax_hpc.roles import spec as roles
 from relax_hpc.roles.spec import RoleSpec
 from relax_hpc.rundir import RunDir, SweepDir
 
-ROLLOUT_GRACE_S = 60
-"""hetjob: how long the script waits for the rollout step to end by itself after the trainer finished."""
-
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -301,7 +298,7 @@ def _render_hetjob(run_dir: RunDir | Path | str, cfg: RecipeConfig, mode: roles.
     title = (f"run {cfg.name!r}, {mode.name}, placement hetjob: het group 0 = {main.name}, "
              f"het group 1 = {n_helper} {helper.noun}(s)")
     ctx = _context(cfg, rd_text, title=title, python=python, pythonpath=pythonpath, components=[comp0, comp1],
-                   rollout_grace_s=ROLLOUT_GRACE_S, main_role=main.name, helper_role=helper.name,
+                   rollout_grace_s=math.ceil(roles.rollout_grace_s(cfg)), main_role=main.name, helper_role=helper.name,
                    helper_noun=helper.noun,
                    main=_role_step(cfg, main, ["--het-group=0", "--kill-on-bad-exit=1"]),
                    helper=_role_step(cfg, helper, ["--het-group=1", "--kill-on-bad-exit=0"]))

@@ -224,3 +224,17 @@ def elastic_ranks(entries: Iterable[dict[str, Any]]) -> set[int]:
     """Ranks of the elastic role in launch-record job entries (``{"roles": [...], "ranks": [...]}``)."""
     return {int(r) for e in entries if any(is_elastic(n) for n in e.get("roles") or [e.get("role")])
             for r in e.get("ranks", [])}
+
+
+ROLLOUT_GRACE_S = 60
+"""How long the rollout workers have to end by themselves after the trainer finished (the final evaluation's
+time comes on top: :func:`rollout_grace_s`)."""
+
+
+def rollout_grace_s(cfg: RecipeConfig, rank: int | None = None) -> float:
+    """How long a launcher waits for rollout worker ``rank`` (None: all of them, as one Slurm step) to end by
+    itself once the trainer has finished: the workers see the run complete and exit, the evaluating one
+    (``eval.worker``) after evaluating the final weights (``eval.end_timeout_s`` more)."""
+    ev = cfg.eval
+    evaluates = ev is not None and ev.at_end and (rank is None or rank == ev.worker)
+    return ROLLOUT_GRACE_S + (ev.end_timeout_s if ev is not None and evaluates else 0.0)

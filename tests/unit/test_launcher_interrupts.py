@@ -80,3 +80,64 @@ def test_install_takes_sigterm_and_sigint_but_leaves_an_ignored_sigint_alone() -
         it.restore()
     finally:
         signal.signal(signal.SIGINT, before[signal.SIGINT])
+
+
+def exits_after(seconds: float) -> LocalProc:
+    p = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"], start_new_session=True)
+    return LocalProc("rollout", 0, p)
+
+
+def test_after_the_trainer_the_workers_end_by_themselves_within_their_grace() -> None:
+    """The trainer has finished: a worker that ends by itself (the final evaluation done) is waited for, not
+    stopped; one that does not end is waited for only up to its own grace; a Ctrl-C stops the waiting."""
+    from relax_hpc.launch.local import await_helpers
+
+    done_soon, never = exits_after(1.0), slow_role()
+    t0 = time.monotonic()
+    await_helpers([done_soon, never], lambda p: 30.0 if p is done_soon else 2.0, Interrupts())
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 20, took
+    assert done_soon.popen.returncode == 0 and never.popen.poll() is None  # waited for the one; the other left
+    it = Interrupts()
+    it.settle()  # counted only (as on a thread that is not the main one, where it would raise)
+    threading.Timer(0.5, it.handler, args=(signal.SIGINT, None)).start()
+    t0 = time.monotonic()
+    await_helpers([never], lambda p: 60.0, it)  # the interrupt stops the waiting, not the 60 s
+    assert it.count == 1 and time.monotonic() - t0 < 20
+    terminate([never], timeout_s=0.5)
+    assert never.popen.returncode == -signal.SIGKILL
+
+
+def test_the_evaluating_worker_gets_the_final_evaluations_time() -> None:
+    from relax_hpc.config.load import validate_dict
+    from relax_hpc.roles.spec import ROLLOUT_GRACE_S, rollout_grace_s
+
+    base = {"model": {"path": "tiny"}, "data": {"task": {"name": "reverse_digits"}}, "mode": "fully_async"}
+    with_eval = validate_dict({**base, "eval": {"data": {"task": {"name": "reverse_digits"}}, "worker": 1,
+                                                "end_timeout_s": 300}})
+    assert rollout_grace_s(with_eval, 1) == ROLLOUT_GRACE_S + 300  # the evaluating worker
+    assert rollout_grace_s(with_eval, 0) == ROLLOUT_GRACE_S
+    assert rollout_grace_s(with_eval) == ROLLOUT_GRACE_S + 300  # all workers as one Slurm step
+    no_end = validate_dict({**base, "eval": {"data": {"task": {"name": "reverse_digits"}}, "at_end": False}})
+    assert rollout_grace_s(no_end, 0) == rollout_grace_s(validate_dict(base), 0) == ROLLOUT_GRACE_S
+
+
+def test_supervise_waits_for_the_evaluating_worker_after_the_trainer_has_finished(tmp_path) -> None:
+    """The local launcher, once the trainer exits 0, lets a rollout worker that is still busy (the final
+    evaluation) end by itself instead of stopping it at once."""
+    from relax_hpc.config.load import validate_dict
+    from relax_hpc.launch.local import supervise
+    from relax_hpc.rundir import RunDir
+
+    rd = RunDir.create(tmp_path / "run")
+    cfg = validate_dict({"model": {"path": "tiny"}, "data": {"task": {"name": "reverse_digits"}},
+                         "mode": "fully_async", "eval": {"data": {"task": {"name": "reverse_digits"}}}})
+    trainer = LocalProc("trainer", 0, subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True))
+    script = ("import signal, time\n"
+              "signal.signal(signal.SIGTERM, lambda *a: (print('stopped early', flush=True), exit(15)))\n"
+              "time.sleep(3)  # the final evaluation\n")
+    worker = LocalProc("rollout", 0, subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                                      text=True, start_new_session=True))
+    assert supervise(rd, cfg, [trainer, worker], poll_s=0.1, interrupts=Interrupts()) == 0
+    assert worker.popen.returncode == 0 and worker.popen.stdout is not None
+    assert "stopped early" not in worker.popen.stdout.read()
