@@ -272,8 +272,7 @@ def supervise(run_dir: RunDir, cfg: RecipeConfig, procs: list[LocalProc], *, on_
                 return int(failed[0] or 1)
             if all(c == 0 for c in codes):
                 helpers = [p for p in procs if not roles.is_trainer_side(p.role)]
-                await_helpers(helpers, lambda p: roles.rollout_grace_s(cfg, p.rank if p.role == "rollout" else -1),
-                              interrupts)
+                await_helpers(helpers, lambda p: roles.rollout_grace_s(cfg, p.role, p.rank), interrupts)
                 terminate(helpers, timeout_s=30, interrupts=interrupts)
                 return 0
             for s in others:

@@ -231,10 +231,15 @@ ROLLOUT_GRACE_S = 60
 time comes on top: :func:`rollout_grace_s`)."""
 
 
-def rollout_grace_s(cfg: RecipeConfig, rank: int | None = None) -> float:
-    """How long a launcher waits for rollout worker ``rank`` (None: all of them, as one Slurm step) to end by
-    itself once the trainer has finished: the workers see the run complete and exit, the evaluating one
-    (``eval.worker``) after evaluating the final weights (``eval.end_timeout_s`` more)."""
+def rollout_grace_s(cfg: RecipeConfig, role: str | None = None, rank: int | None = None) -> float:
+    """How long a launcher waits for a helper process (``role`` ``rank``; None: the rollout workers as one Slurm
+    step) to end by itself once the trainer has finished: the workers see the run complete and exit, the evaluating
+    one (rollout worker ``eval.worker``) after evaluating the final weights (``eval.end_timeout_s`` more)."""
     ev = cfg.eval
-    evaluates = ev is not None and ev.at_end and (rank is None or rank == ev.worker)
-    return ROLLOUT_GRACE_S + (ev.end_timeout_s if ev is not None and evaluates else 0.0)
+    if ev is None or not ev.at_end:
+        return ROLLOUT_GRACE_S
+    if role is not None:
+        spec = role_spec(role)
+        if not spec.generates or spec.trainer_side or rank != ev.worker:
+            return ROLLOUT_GRACE_S
+    return ROLLOUT_GRACE_S + ev.end_timeout_s

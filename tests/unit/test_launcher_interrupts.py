@@ -64,6 +64,8 @@ def test_the_first_signal_raises_later_ones_do_not_and_settled_ones_never() -> N
 
 def test_install_takes_sigterm_and_sigint_but_leaves_an_ignored_sigint_alone() -> None:
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    # as a terminal starts the launcher (a CI runner's background job may start this suite with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     it = Interrupts().install()
     try:
         assert signal.getsignal(signal.SIGTERM) == it.handler and signal.getsignal(signal.SIGINT) == it.handler
@@ -72,7 +74,8 @@ def test_install_takes_sigterm_and_sigint_but_leaves_an_ignored_sigint_alone() -
             time.sleep(5)  # the handler runs in the main thread between bytecodes
     finally:
         it.restore()
-    assert {s: signal.getsignal(s) for s in before} == before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         it = Interrupts().install()
@@ -115,11 +118,13 @@ def test_the_evaluating_worker_gets_the_final_evaluations_time() -> None:
     base = {"model": {"path": "tiny"}, "data": {"task": {"name": "reverse_digits"}}, "mode": "fully_async"}
     with_eval = validate_dict({**base, "eval": {"data": {"task": {"name": "reverse_digits"}}, "worker": 1,
                                                 "end_timeout_s": 300}})
-    assert rollout_grace_s(with_eval, 1) == ROLLOUT_GRACE_S + 300  # the evaluating worker
-    assert rollout_grace_s(with_eval, 0) == ROLLOUT_GRACE_S
+    assert rollout_grace_s(with_eval, "rollout", 1) == ROLLOUT_GRACE_S + 300  # the evaluating worker
+    assert rollout_grace_s(with_eval, "rollout", 0) == ROLLOUT_GRACE_S
+    assert rollout_grace_s(with_eval, "trainer", 1) == ROLLOUT_GRACE_S
     assert rollout_grace_s(with_eval) == ROLLOUT_GRACE_S + 300  # all workers as one Slurm step
     no_end = validate_dict({**base, "eval": {"data": {"task": {"name": "reverse_digits"}}, "at_end": False}})
-    assert rollout_grace_s(no_end, 0) == rollout_grace_s(validate_dict(base), 0) == ROLLOUT_GRACE_S
+    assert rollout_grace_s(no_end, "rollout", 0) == rollout_grace_s(validate_dict(base), "rollout", 0) \
+        == ROLLOUT_GRACE_S
 
 
 def test_supervise_waits_for_the_evaluating_worker_after_the_trainer_has_finished(tmp_path) -> None:
