@@ -291,8 +291,6 @@ def peer_trl(folder: Path, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
-    import gc
-
     import torch
 
     from relax_hpc.bench.lengths import parse_lengths
@@ -329,13 +327,11 @@ def measure(a: argparse.Namespace, dirs: ScratchDirs) -> dict[str, Any]:
         from relax_hpc.bench.step_profile import profile_phases
 
         res["profile"] = profile_phases(rec, Path(a.profile), a)
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release()
     peers = {p for p in (a.peers or ("none" if a.lora else "generate,trl")).split(",") if p and p != "none"}
     if "generate" in peers:
         res.update(peer_generate(folder, rec, a))
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release()
     if "trl" in peers:
         res.update(peer_trl(folder, a))
         if "trl_step_s_median" in res:
@@ -374,15 +370,10 @@ def lora_figures(rec: dict[str, Any], a: argparse.Namespace, dirs: ScratchDirs, 
 
 def lora_params(folder: Path, rank: int) -> int:
     """Trainable parameters of a rank-``rank`` adapter on the folder's model (default targets; meta device)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from relax_hpc.config.schema import LoraConfig
     from relax_hpc.models.lora import adapter_template
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    return sum(t.numel() for t in adapter_template(model, LoraConfig(rank=rank)).values())
+    return sum(t.numel() for t in adapter_template(meta_model(folder), LoraConfig(rank=rank)).values())
 
 
 def _allocated_gb() -> float:
@@ -411,12 +402,16 @@ def _sync() -> None:
 
 def count_params(folder: Path) -> int:
     """Parameters of the folder's model (tied embeddings once), from its config on the meta device."""
+    return sum(p.numel() for p in meta_model(folder).parameters())
+
+
+def meta_model(folder: Path) -> Any:
+    """The folder's model built from its config on the meta device (shapes only, no weights)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    return sum(p.numel() for p in model.parameters())
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
